@@ -1,0 +1,57 @@
+"""Hot loops of the engine: paged attention and KV-cache operations.
+
+Each operation has a plain torch reference (the CPU path, and the definition of what it
+computes) and, where Triton runs, a Triton kernel. ``kernel_backend`` picks one for a device;
+``SPECBATCH_KERNEL_BACKEND=torch|triton`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.cache_ops import copy_blocks_torch, gather_kv_torch, write_kv_torch
+from kernels.paged_attention import paged_attention_torch
+
+BACKENDS = ("torch", "triton")
+
+
+def kernel_backend(device: torch.device | str) -> str:
+    """``triton`` on CUDA, ``torch`` elsewhere, unless ``SPECBATCH_KERNEL_BACKEND`` says otherwise."""
+    forced = os.environ.get("SPECBATCH_KERNEL_BACKEND")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"SPECBATCH_KERNEL_BACKEND must be one of {BACKENDS}, got {forced!r}")
+        return forced
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+    """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``)."""
+    if backend == "triton":
+        from kernels.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(*args, **kwargs)
+    return paged_attention_torch(*args, **kwargs)
+
+
+def write_kv(*args, backend: str = "torch", **kwargs) -> None:
+    """Dispatch to the chosen implementation of the KV-cache write (see ``kernels.cache_ops``)."""
+    if backend == "triton":
+        from kernels.cache_ops import write_kv_triton
+
+        return write_kv_triton(*args, **kwargs)
+    return write_kv_torch(*args, **kwargs)
+
+
+__all__ = [
+    "BACKENDS",
+    "copy_blocks_torch",
+    "gather_kv_torch",
+    "kernel_backend",
+    "paged_attention",
+    "paged_attention_torch",
+    "write_kv",
+    "write_kv_torch",
+]

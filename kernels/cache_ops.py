@@ -1,0 +1,49 @@
+"""KV-cache operations over the engine's paged layout.
+
+Layout (one tensor per layer and per K/V): ``cache[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token's *slot* is ``block_id * block_size + offset``; slot ``-1`` marks padding and is skipped.
+The torch functions here are the references that define what the Triton kernels must compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new ``key``/``value`` rows ``[T, kv_heads, head_dim]`` into their slots."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+        flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+        return
+    slots = slot_mapping[valid]
+    flat_k.index_copy_(0, slots, key[valid].to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, value[valid].to(flat_v.dtype))
+
+
+def copy_blocks_torch(caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+    """Copy whole blocks ``src_to_dst[i] = (src, dst)`` in every cache tensor (copy-on-write)."""
+    if src_to_dst.numel() == 0:
+        return
+    src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
+    for cache in caches:
+        cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def gather_kv_torch(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first ``length`` cached tokens of one sequence as a contiguous ``[length, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, *cache.shape[2:])[:length]

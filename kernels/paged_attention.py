@@ -1,0 +1,104 @@
+"""Paged attention over the engine's KV-cache layout.
+
+One call covers a whole flat step: decode (one query token per sequence), prefill chunks and
+speculative verification (several query tokens per sequence, causal among themselves, attending
+to everything already cached). Inputs:
+
+- ``query[T, num_heads, head_dim]``: the step's query tokens, sequence after sequence;
+- ``k_cache/v_cache[num_blocks, block_size, num_kv_heads, head_dim]``: already holding this step's K/V;
+- ``block_tables[B, max_blocks]`` (int32; unused entries may hold any valid block id);
+- ``context_lens[B]``: tokens in the cache for each sequence *including* this step's;
+- ``query_start_loc[B + 1]``: prefix sums of the query lengths (``cu_seqlens_q``);
+- query token ``i`` of a sequence with ``q`` query tokens sits at position ``context_len - q + i``
+  and sees cached positions ``<=`` its own (and ``> position - sliding_window`` when one is set).
+
+``paged_attention_torch`` is the reference and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[B, num_blocks * block_size, kv_heads, head_dim]`` from each row's first blocks."""
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, H, D]
+    b, nb, bs = blocks.shape[:3]
+    return blocks.reshape(b, nb * bs, *cache.shape[2:])
+
+
+def _allowed(
+    q_pos: torch.Tensor, kv_len: int, ctx: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean mask ``[B, q, kv_len]``: kv position j is visible to a query at ``q_pos``."""
+    kv_pos = torch.arange(kv_len, device=q_pos.device)
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < ctx[:, None, None])
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    return mask
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q ``[B, q, H, D]``, k/v ``[B, L, Hkv, D]``, mask ``[B, q, L]`` → ``[B, q, H, D]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference paged attention; returns ``[T, num_heads, head_dim]`` in ``query``'s dtype.
+
+    Sequences with one query token are batched into one padded SDPA call (the decode case
+    dominates a running batch); each multi-token sequence is attended on its own so that a long
+    prefill chunk never pads the decodes.
+    """
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    ctx_list = context_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(ctx_list))]
+    single = [i for i, n in enumerate(q_lens) if n == 1]
+    if single:
+        idx = torch.tensor(single, device=query.device)
+        ctx = context_lens.to(query.device).index_select(0, idx).long()
+        max_ctx = max(ctx_list[i] for i in single)
+        nb = (max_ctx + block_size - 1) // block_size
+        tables = block_tables.index_select(0, idx)
+        k = _gather(k_cache, tables, nb).to(query.dtype)
+        v = _gather(v_cache, tables, nb).to(query.dtype)
+        rows = query_start_loc.to(query.device).index_select(0, idx).long()
+        q = query.index_select(0, rows)[:, None]
+        mask = _allowed((ctx - 1)[:, None], k.shape[1], ctx, sliding_window)
+        out.index_copy_(0, rows, _attend(q, k, v, mask, scale)[:, 0])
+    for i, n in enumerate(q_lens):
+        if n <= 1:
+            continue
+        ctx_len = ctx_list[i]
+        nb = (ctx_len + block_size - 1) // block_size
+        table = block_tables[i : i + 1]
+        k = _gather(k_cache, table, nb).to(query.dtype)
+        v = _gather(v_cache, table, nb).to(query.dtype)
+        q = query[starts[i] : starts[i + 1]][None]
+        q_pos = torch.arange(ctx_len - n, ctx_len, device=query.device)[None]
+        ctx = torch.tensor([ctx_len], device=query.device)
+        mask = _allowed(q_pos, k.shape[1], ctx, sliding_window)
+        out[starts[i] : starts[i + 1]] = _attend(q, k, v, mask, scale)[0]
+    return out
