@@ -27,8 +27,14 @@ def kernel_backend(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
+def _check(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
 def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
     """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``)."""
+    _check(backend)
     if backend == "triton":
         from kernels.paged_attention import paged_attention_triton
 
@@ -38,6 +44,7 @@ def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
 
 def write_kv(*args, backend: str = "torch", **kwargs) -> None:
     """Dispatch to the chosen implementation of the KV-cache write (see ``kernels.cache_ops``)."""
+    _check(backend)
     if backend == "triton":
         from kernels.cache_ops import write_kv_triton
 
@@ -45,9 +52,31 @@ def write_kv(*args, backend: str = "torch", **kwargs) -> None:
     return write_kv_torch(*args, **kwargs)
 
 
+def copy_blocks(*args, backend: str = "torch", **kwargs) -> None:
+    """Dispatch to the chosen implementation of the block copy (see ``kernels.cache_ops``)."""
+    _check(backend)
+    if backend == "triton":
+        from kernels.cache_ops import copy_blocks_triton
+
+        return copy_blocks_triton(*args, **kwargs)
+    return copy_blocks_torch(*args, **kwargs)
+
+
+def gather_kv(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+    """Dispatch to the chosen implementation of the KV gather (see ``kernels.cache_ops``)."""
+    _check(backend)
+    if backend == "triton":
+        from kernels.cache_ops import gather_kv_triton
+
+        return gather_kv_triton(*args, **kwargs)
+    return gather_kv_torch(*args, **kwargs)
+
+
 __all__ = [
     "BACKENDS",
+    "copy_blocks",
     "copy_blocks_torch",
+    "gather_kv",
     "gather_kv_torch",
     "kernel_backend",
     "paged_attention",
