@@ -15,6 +15,7 @@ from kernels.cache_ops import copy_blocks_torch, gather_kv_torch, write_kv_torch
 from kernels.paged_attention import paged_attention_torch
 
 BACKENDS = ("torch", "triton")
+TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
 
 
 def kernel_backend(device: torch.device | str) -> str:
@@ -33,12 +34,18 @@ def _check(backend: str) -> None:
 
 
 def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
-    """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``)."""
+    """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``).
+
+    The Triton-only hints (``max_query_len``, ``max_context_len``, ``kv_split_len``) may be
+    passed on any backend; the torch reference ignores them.
+    """
     _check(backend)
     if backend == "triton":
         from kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(*args, **kwargs)
+    for hint in TRITON_HINTS:
+        kwargs.pop(hint, None)
     return paged_attention_torch(*args, **kwargs)
 
 

@@ -90,6 +90,17 @@ def make_case(
     )
 
 
+def spy(monkeypatch, module, name: str, calls: list[str]) -> None:
+    """Record ``name`` in ``calls`` on each call of ``module.name``, still running it."""
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)

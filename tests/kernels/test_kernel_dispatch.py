@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from kernels import kernel_backend
-from paged_cases import assert_close, make_case
+from paged_cases import assert_close, make_case, spy
 
 
 def test_backend_by_device(monkeypatch):
@@ -33,16 +33,9 @@ def test_backend_env_rejects_unknown(monkeypatch):
         kernels.write_kv(backend="tritonn")
 
 
-def _spy(monkeypatch, module, name: str) -> list:
-    """Count calls of ``module.name`` while still running it."""
-    calls: list = []
-    real = getattr(module, name)
-
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, wrapper)
+def _spy(monkeypatch, module, name: str) -> list[str]:
+    calls: list[str] = []
+    spy(monkeypatch, module, name, calls)
     return calls
 
 
@@ -57,6 +50,15 @@ def test_paged_attention_dispatch_runs_triton(monkeypatch):
         got = kernels.paged_attention(*case.args(), backend="triton")
         assert_close(got, want, torch.float32)
     assert decode == ["decode"] and varlen == ["varlen"]  # the wrapper's per-step choice
+
+
+def test_triton_hints_are_accepted_by_both_backends():
+    """The engine may pass host-side maxima on any backend; the torch path ignores them."""
+    case = make_case([20, 33], [1, 1], seed=7)
+    hints = dict(max_query_len=1, max_context_len=33)
+    want = kernels.paged_attention(*case.args(), backend="torch", **hints)
+    got = kernels.paged_attention(*case.args(), backend="triton", kv_split_len=16, **hints)
+    assert_close(got, want, torch.float32)
 
 
 def test_cache_dispatch_runs_triton(monkeypatch):
