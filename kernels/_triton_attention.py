@@ -84,10 +84,14 @@ def _decode_kernel(
     stride_bt, stride_ot, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One (sequence, KV head, KV split) of a decode step."""
+    """One (sequence, KV head, KV split) of a decode step.
+
+    ``SPLIT`` (a bool, so the split count never triggers a recompile) says whether to write
+    fp32 partials plus their log-sum-exp for ``_combine_splits_kernel`` or the final output.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,7 +133,7 @@ def _decode_kernel(
                                              scale_log2, UPCAST)
 
     mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         dst = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -303,7 +307,7 @@ def decode(
     if split_len is None:
         split_len = choose_split_len(query.device, batch, num_kv_heads, span, block_n)
     num_splits = max(triton.cdiv(span, split_len), 1)
-    const.update(G_PAD=_next_pow2(const["GROUP"], 16), BLOCK_N=block_n, NUM_SPLITS=num_splits)
+    const.update(G_PAD=_next_pow2(const["GROUP"], 16), BLOCK_N=block_n, SPLIT=num_splits > 1)
     if num_splits > 1:
         part_out = torch.empty(batch, num_heads, num_splits, query.shape[2],
                                dtype=torch.float32, device=query.device)
