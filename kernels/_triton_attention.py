@@ -99,9 +99,7 @@ def _decode_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == q_row:
         return  # a sequence without query tokens this step
     ctx = tl.load(context_lens_ptr + seq)
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(ctx - window, 0)
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # first position in the window
     start = lo + split * split_len
     if start >= ctx:
         return  # this split lies past the sequence's end; the combine step skips it
@@ -158,9 +156,7 @@ def _combine_splits_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == q_row:
         return
     ctx = tl.load(context_lens_ptr + seq)
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(ctx - window, 0)
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # first position in the window
     num_splits = tl.cdiv(ctx - lo, split_len)  # the splits the decode kernel wrote
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -218,9 +214,7 @@ def _varlen_kernel(
 
     first_pos = ctx - q_len + q_tile * BLOCK_Q
     hi = tl.minimum(first_pos + BLOCK_Q, ctx)  # causal: nothing after the tile's last token
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(first_pos - window + 1, 0)
+    lo = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -234,8 +228,7 @@ def _varlen_kernel(
         v = _load_kv_tile(v_cache_ptr, table_row, pos, pos_mask, kv_head, offs_d, d_mask,
                           stride_vb, stride_vs, stride_vh, BLOCK_SIZE).to(q.dtype)
         valid = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        if window > 0:
-            valid = valid & (pos[None, :] > q_pos[:, None] - window)
+        valid = valid & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale_log2, UPCAST)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
