@@ -13,6 +13,7 @@ import torch
 
 from kernels.cache_ops import copy_blocks_torch, gather_kv_torch, write_kv_torch
 from kernels.paged_attention import paged_attention_torch
+from kernels.sampling import rejection_sample_torch
 
 BACKENDS = ("torch", "triton")
 TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
@@ -79,6 +80,16 @@ def gather_kv(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
     return gather_kv_torch(*args, **kwargs)
 
 
+def rejection_sample(*args, backend: str = "torch", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch the rejection sampler's accept/resample step (see ``kernels.sampling``)."""
+    _check(backend)
+    if backend == "triton":
+        from kernels.sampling import rejection_sample_triton
+
+        return rejection_sample_triton(*args, **kwargs)
+    return rejection_sample_torch(*args, **kwargs)
+
+
 __all__ = [
     "BACKENDS",
     "copy_blocks",
@@ -88,6 +99,8 @@ __all__ = [
     "kernel_backend",
     "paged_attention",
     "paged_attention_torch",
+    "rejection_sample",
+    "rejection_sample_torch",
     "write_kv",
     "write_kv_torch",
 ]
