@@ -3,6 +3,11 @@
 Each operation has a plain torch reference (the CPU path, and the definition of what it
 computes) and, where Triton runs, a Triton kernel. ``kernel_backend`` picks one for a device;
 ``SPECBATCH_KERNEL_BACKEND=torch|triton`` overrides the choice.
+
+Dispatchers: ``paged_attention``, ``write_kv``, ``copy_blocks``, ``gather_kv`` and
+``rejection_sample``, each taking ``backend=``. The Triton kernels live in ``kernels._triton_*``
+and are imported on first use only, so ``TRITON_INTERPRET=1`` (the CPU interpreter, used by
+the tests) takes effect as long as it is set before the first Triton call.
 """
 
 from __future__ import annotations
