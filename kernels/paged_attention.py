@@ -111,3 +111,51 @@ def paged_attention_torch(
         mask = _allowed(q_pos, k.shape[2], ctx, sliding_window)
         out[starts[i] : starts[i + 1]] = _attend_grouped(q, k, v, mask, scale)[0]
     return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    kv_split_len: int | None = None,
+) -> torch.Tensor:
+    """Triton paged attention with the semantics of ``paged_attention_torch``.
+
+    A step whose sequences all have one query token runs the split-KV decode kernel; any other
+    step runs the varlen kernel. ``max_query_len``/``max_context_len`` are host-side maxima of
+    the step; pass them (the scheduler knows them) to spare a device-to-host sync each.
+    ``kv_split_len`` forces the decode split size (tokens per split; default: a heuristic that
+    fills the GPU's SMs).
+
+    All index tensors are read through pointers: any integer dtype works, but they must be on
+    ``query``'s device; non-contiguous ones are copied first.
+    """
+    from kernels import _triton_attention as ta  # lazy: see the module docstring
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    batch = context_lens.shape[0]
+    if query.shape[0] == 0 or batch == 0:
+        return out
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    window = int(sliding_window) if sliding_window is not None else 0
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    args = (query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, out)
+    if max_query_len <= 1:
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())
+        ta.decode(*args, max_context_len=max_context_len, split_len=kv_split_len)
+    else:
+        ta.varlen(*args, max_query_len=max_query_len)
+    return out
