@@ -9,6 +9,7 @@ from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop, RequestHandle
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
 
 __all__ = [
     "LLM",
@@ -20,4 +21,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
 ]

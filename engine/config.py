@@ -53,7 +53,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
-    speculative_config: "SpeculativeConfig | None" = None
+    speculative_config: "SpeculativeConfig | dict | None" = None
     trust_remote_code: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -66,5 +66,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.speculative_config is not None:
+            from engine.spec.config import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -52,6 +52,7 @@ class LLMEngine:
             self.speculator = Speculator(config.speculative_config, self)
         # Called as hook(scheduler_output, step_inputs, logits) after each forward (tests, debugging).
         self.logits_hook = None
+        self.last_forward_seconds = 0.0
         self.stats: dict[str, int] = {"steps": 0, "scheduled_tokens": 0, "sampled_tokens": 0, "max_batch_size": 0}
 
     # ------------------------------------------------------------- submission
@@ -188,6 +189,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
             metrics.num_steps += 1
             metrics.max_batch_size = max(metrics.max_batch_size, batch_size)
+        start = time.perf_counter()
         inputs = self.runner.prepare(sched.scheduled)
         try:
             logits = self.runner.forward(inputs)
@@ -195,6 +197,8 @@ class LLMEngine:
             for request in requests_in_step.values():
                 self._fail(request, f"model forward failed: {type(exc).__name__}: {exc}", changed)
             return list(changed.values())
+        # Speculation's adaptive k fits the step's cost against its scheduled tokens.
+        self.last_forward_seconds = time.perf_counter() - start
         if self.logits_hook is not None:
             self.logits_hook(sched, inputs, logits)
         for item in sched.scheduled:

@@ -1,0 +1,248 @@
+"""``Speculator``: the engine's one entry point for speculation.
+
+The engine calls ``verify`` instead of plain sampling after each forward (the runner already
+laid out ``1 + len(drafts)`` logits rows per sampling sequence), ``propose`` at the end of each
+step for the running sequences, and ``finished`` when a sample ends. Everything about which
+proposer runs, how many tokens it may propose (adaptive k) and the bookkeeping after
+verification (rejected drafts leave ``num_computed_tokens`` and their KV slots) lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.sampler import SampleRow
+from engine.sequence import Sequence, SequenceStatus
+from engine.spec.adaptive import Acceptance, LinearCost, best_k
+from engine.spec.config import SpeculativeConfig
+from engine.spec.proposer import EMPTY, Proposal, Proposer
+from engine.spec.rejection import accept_greedy, sample_with_generator
+
+log = logging.getLogger(__name__)
+
+# Counters added to ``engine.stats``.
+STAT_KEYS = (
+    "spec_steps",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_emitted_tokens",
+    "spec_proposer_failures",
+)
+PROBE_EVERY = 8  # a sequence held at k = 0 by low acceptance retries k = 1 this often
+
+
+def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
+    if config.method == "ngram":
+        from engine.spec.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        from engine.spec.suffix import SuffixProposer
+
+        return SuffixProposer(
+            config.suffix_max_depth,
+            config.suffix_max_cached_tokens,
+            config.suffix_min_token_prob,
+            config.suffix_max_spec_factor,
+        )
+    from engine.spec.draft import DraftModelProposer
+
+    return DraftModelProposer(config, engine)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, engine, proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.engine = engine
+        self.proposer = proposer or make_proposer(config, engine)
+        self.acceptance = Acceptance(config.acceptance_decay)
+        self.target_cost = LinearCost()  # seconds of a step (forward + verification) vs scheduled tokens
+        self.draft_cost = LinearCost()  # seconds of one draft-model forward vs its tokens
+        self.proposer_seconds_per_token = 0.0  # model-free proposers: EMA of their cost per draft
+        self.held: dict[int, int] = {}  # seq_id -> steps at k = 0 since the last probe
+
+    # -------------------------------------------------------------- verify
+    def verify(self, sched, inputs, logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
+        start = time.perf_counter()
+        engine = self.engine
+        sampler = engine.sampler
+        entries: list[tuple[Sequence, int, list[int]]] = []
+        for i, row0, num_rows in inputs.sample_rows:
+            seq = sched.scheduled[i].seq
+            drafts = seq.draft_token_ids
+            if len(drafts) != num_rows - 1:  # cannot happen: the runner laid the rows out from them
+                raise RuntimeError(f"{num_rows} logits rows for {len(drafts)} drafts")
+            entries.append((seq, row0, list(drafts)))
+        # Only decode/verify steps feed the cost model: a prefill chunk's cost per token differs.
+        decode_only = len(entries) == len(sched.scheduled) and all(
+            item.num_new_tokens == 1 + len(item.seq.draft_token_ids) for item in sched.scheduled
+        )
+        results: list[tuple[list[int], int] | None] = [None] * len(entries)
+
+        greedy = [e for e, (seq, _, _) in enumerate(entries) if seq.params.greedy]
+        random_ = [e for e, (seq, _, _) in enumerate(entries) if not seq.params.greedy]
+        for group, is_greedy in ((greedy, True), (random_, False)):
+            if not group:
+                continue
+            rows, index = [], []
+            for e in group:
+                seq, row0, drafts = entries[e]
+                for j in range(len(drafts) + 1):
+                    rows.append(SampleRow(seq, drafts[:j]))
+                    index.append(row0 + j)
+            group_logits = logits[torch.tensor(index, device=logits.device)]
+            if is_greedy:
+                argmax = sampler.processed_logits(group_logits, rows).argmax(-1).tolist()
+            else:
+                probs = sampler.target_probs(group_logits, rows)
+            offset = 0
+            for e in group:
+                seq, _, drafts = entries[e]
+                n = len(drafts) + 1
+                if is_greedy:
+                    results[e] = accept_greedy(argmax[offset : offset + n], drafts)
+                else:
+                    results[e] = sample_with_generator(
+                        probs[offset : offset + n], drafts, seq.draft_probs, sampler.generator_for(seq)
+                    )
+                offset += n
+
+        accepted_out: list[tuple[Sequence, list[int]]] = []
+        want_logprobs: list[tuple[Sequence, int, list[int]]] = []
+        stats = engine.stats
+        for key in STAT_KEYS:  # the engine builds its stats after its speculator
+            stats.setdefault(key, 0)
+        for (seq, row0, drafts), result in zip(entries, results):
+            tokens, num_accepted = result
+            if drafts:
+                rejected = len(drafts) - num_accepted
+                seq.num_computed_tokens -= rejected
+                seq.draft_token_ids = []
+                seq.draft_probs = None
+                engine.block_manager.trim(seq)
+                metrics = seq.request.metrics
+                metrics.num_draft_tokens += len(drafts)
+                metrics.num_accepted_tokens += num_accepted
+                self.acceptance.update(seq.seq_id, len(drafts), num_accepted)
+                stats["spec_draft_tokens"] += len(drafts)
+                stats["spec_accepted_tokens"] += num_accepted
+            stats["spec_emitted_tokens"] += len(tokens)
+            if seq.params.logprobs is not None:
+                want_logprobs.append((seq, row0, tokens))
+            accepted_out.append((seq, tokens))
+        if want_logprobs:
+            self._logprobs(logits, want_logprobs)
+        stats["spec_steps"] += 1
+        if decode_only:
+            seconds = engine.last_forward_seconds + time.perf_counter() - start
+            self.target_cost.observe(sched.num_tokens, seconds)
+        return accepted_out
+
+    def _logprobs(self, logits: torch.Tensor, items: list[tuple[Sequence, int, list[int]]]) -> None:
+        """The model's logprobs of every emitted token (row j of a sequence scored token j)."""
+        index, tokens, nums = [], [], []
+        for seq, row0, toks in items:
+            for j, token in enumerate(toks):
+                index.append(row0 + j)
+                tokens.append(token)
+                nums.append(seq.params.logprobs)
+        lps = self.engine.sampler.logprobs(logits[torch.tensor(index, device=logits.device)], tokens, nums)
+        offset = 0
+        for seq, _row0, toks in items:
+            seq.logprobs.extend(lps[offset : offset + len(toks)])
+            offset += len(toks)
+
+    # ------------------------------------------------------------- propose
+    def propose(self, running: list[Sequence]) -> None:
+        """Give each decoding sequence its drafts (possibly none) for the next step."""
+        engine = self.engine
+        seqs = [
+            s
+            for s in running
+            if s.status is SequenceStatus.RUNNING and s.num_tokens - s.num_computed_tokens == 1 and not s.draft_token_ids
+        ]
+        if not seqs:
+            return
+        ks = self.choose_k(seqs)
+        for seq, k in zip(seqs, ks):
+            seq.spec_k = k
+            seq.spec_alpha = self.acceptance.alpha(seq.seq_id)
+        start = time.perf_counter()
+        try:
+            proposals = self.proposer.propose(seqs, ks)
+        except Exception:  # a proposer failure fails nothing: this step runs without drafts
+            log.exception("speculative proposer %r failed; this step runs without speculation", self.config.method)
+            engine.stats["spec_proposer_failures"] = engine.stats.get("spec_proposer_failures", 0) + 1
+            return
+        seconds = time.perf_counter() - start
+        proposed = 0
+        for seq, k, proposal in zip(seqs, ks, proposals):
+            tokens = proposal.tokens[:k] if proposal is not EMPTY else []
+            if not tokens:
+                continue
+            seq.draft_token_ids = list(tokens)
+            seq.draft_probs = proposal.probs[: len(tokens)] if proposal.probs is not None else None
+            proposed += len(tokens)
+        self._observe_proposer(seconds, proposed)
+
+    def _observe_proposer(self, seconds: float, proposed: int) -> None:
+        timings = getattr(self.proposer, "timings", None)
+        if timings is not None:  # the draft model: fit its forward cost per step
+            for n, t in timings:
+                self.draft_cost.observe(n, t)
+            timings.clear()
+        elif proposed:
+            per_token = seconds / proposed
+            ema = self.proposer_seconds_per_token
+            self.proposer_seconds_per_token = per_token if ema == 0 else 0.8 * ema + 0.2 * per_token
+
+    def relative_cost(self, batch: int) -> float:
+        """Leviathan's ``c`` at this batch size: one more draft token for every decoding sequence
+        (the target verifying it plus the proposer making it) over the cost of a plain step."""
+        a, b = self.target_cost.coefficients()
+        step = a + b * batch
+        if step <= 0:
+            return 0.0
+        if self.config.method == "draft":
+            if self.draft_cost.ready:
+                draft = self.draft_cost.predict(batch)
+            else:  # until measured: a forward costs in proportion to the weights it reads
+                draft = step * getattr(self.proposer, "size_ratio", 1.0)
+        else:
+            draft = self.proposer_seconds_per_token * batch
+        return (batch * b + draft) / step
+
+    def choose_k(self, seqs: list[Sequence]) -> list[int]:
+        k_max = self.config.k_max
+        limits = [self._room(seq, k_max) for seq in seqs]
+        if not self.config.adaptive:
+            return limits
+        c = self.relative_cost(len(seqs))
+        ks = []
+        for seq, limit in zip(seqs, limits):
+            k = best_k(self.acceptance.alpha(seq.seq_id), c, limit, self.config.min_speedup) if limit else 0
+            if k == 0 and limit and best_k(0.9, c, limit, self.config.min_speedup) > 0:
+                # Held at 0 by a low acceptance estimate that would otherwise never be revised.
+                waited = self.held.get(seq.seq_id, 0) + 1
+                if waited >= PROBE_EVERY:
+                    k, waited = 1, 0
+                self.held[seq.seq_id] = waited
+            ks.append(k)
+        return ks
+
+    def _room(self, seq: Sequence, k: int) -> int:
+        """Drafts beyond ``max_tokens`` (the last emitted token is the bonus) or the context are wasted."""
+        params = seq.params
+        k = min(k, params.max_tokens - seq.num_output_tokens - 1, self.engine.max_model_len - seq.num_tokens - 1)
+        return max(k, 0)
+
+    def finished(self, seq: Sequence) -> None:
+        self.acceptance.forget(seq.seq_id)
+        self.held.pop(seq.seq_id, None)
+        try:
+            self.proposer.finished(seq)
+        except Exception:
+            log.exception("speculative proposer %r failed to release a sequence", self.config.method)
