@@ -66,6 +66,8 @@ def capture_logits(llm: LLM) -> list[tuple[str, int, torch.Tensor]]:
     records: list[tuple[str, int, torch.Tensor]] = []
 
     def hook(sched, inputs, logits):
+        # Logits exist only at the sampled positions, never for the whole flat step.
+        assert logits.shape[0] == sum(rows for _i, _first, rows in inputs.sample_rows)
         for index, first_row, num_rows in inputs.sample_rows:
             item = sched.scheduled[index]
             position = item.seq.num_computed_tokens + item.num_new_tokens - 1
