@@ -63,6 +63,47 @@ def _attend_grouped(
     return out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
 
 
+# Sequences with at most this many query tokens (decode, speculative verification) are attended
+# in padded batches; longer ones (prefill chunks) one by one, so they never pad the short ones.
+MAX_BATCHED_QUERY = 33
+
+
+def _attend_batch(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqs: list[int],
+    starts: list[int],
+    q_lens: list[int],
+    ctx_list: list[int],
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """One padded SDPA call for ``seqs``; query rows past a sequence's length are discarded."""
+    device = query.device
+    block_size = k_cache.shape[1]
+    idx = torch.tensor(seqs, device=device)
+    n = torch.tensor([q_lens[i] for i in seqs], device=device)
+    ctx = torch.tensor([ctx_list[i] for i in seqs], device=device)
+    q_max = int(n.max())
+    nb = (max(ctx_list[i] for i in seqs) + block_size - 1) // block_size
+    tables = block_tables.index_select(0, idx)
+    k = _gather(k_cache, tables, nb).to(query.dtype)
+    v = _gather(v_cache, tables, nb).to(query.dtype)
+    j = torch.minimum(torch.arange(q_max, device=device)[None, :], (n - 1)[:, None])  # [B, q_max]
+    rows = torch.tensor([starts[i] for i in seqs], device=device)[:, None] + j
+    q = query[rows.reshape(-1)].view(len(seqs), q_max, *query.shape[1:])
+    mask = _allowed(ctx[:, None] - n[:, None] + j, k.shape[2], ctx, sliding_window)
+    attended = _attend_grouped(q, k, v, mask, scale)
+    if q_max == 1:
+        out.index_copy_(0, rows[:, 0], attended[:, 0])
+    else:
+        valid = torch.arange(q_max, device=device)[None, :] < n[:, None]
+        out[rows[valid]] = attended[valid]
+
+
 def paged_attention_torch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -76,8 +117,9 @@ def paged_attention_torch(
     """Reference paged attention; returns ``[T, num_heads, head_dim]`` in ``query``'s dtype.
 
     Sequences with one query token are batched into one padded SDPA call (the decode case
-    dominates a running batch); each multi-token sequence is attended on its own so that a long
-    prefill chunk never pads the decodes.
+    dominates a running batch), and so are those with 2..``MAX_BATCHED_QUERY`` (speculative
+    verification: one call instead of one per sequence per layer); each longer sequence is
+    attended on its own so that a long prefill chunk never pads the decodes.
     """
     block_size = k_cache.shape[1]
     out = torch.empty_like(query)
@@ -85,20 +127,12 @@ def paged_attention_torch(
     ctx_list = context_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(ctx_list))]
     single = [i for i, n in enumerate(q_lens) if n == 1]
-    if single:
-        idx = torch.tensor(single, device=query.device)
-        ctx = context_lens.to(query.device).index_select(0, idx).long()
-        max_ctx = max(ctx_list[i] for i in single)
-        nb = (max_ctx + block_size - 1) // block_size
-        tables = block_tables.index_select(0, idx)
-        k = _gather(k_cache, tables, nb).to(query.dtype)
-        v = _gather(v_cache, tables, nb).to(query.dtype)
-        rows = query_start_loc.to(query.device).index_select(0, idx).long()
-        q = query.index_select(0, rows)[:, None]
-        mask = _allowed((ctx - 1)[:, None], k.shape[2], ctx, sliding_window)
-        out.index_copy_(0, rows, _attend_grouped(q, k, v, mask, scale)[:, 0])
+    short = [i for i, n in enumerate(q_lens) if 1 < n <= MAX_BATCHED_QUERY]
+    for group in (single, short):
+        if group:
+            _attend_batch(out, query, k_cache, v_cache, block_tables, group, starts, q_lens, ctx_list, scale, sliding_window)
     for i, n in enumerate(q_lens):
-        if n <= 1:
+        if n <= MAX_BATCHED_QUERY:
             continue
         ctx_len = ctx_list[i]
         nb = (ctx_len + block_size - 1) // block_size
