@@ -15,6 +15,8 @@ scheduled tokens, so at batch ``B`` one more draft token for every sequence cost
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a step emits on average with k drafts (accepted ones plus the bonus/correction)."""
@@ -37,44 +39,77 @@ def best_k(alpha: float, c: float, k_max: int, min_speedup: float = 1.0) -> int:
     return best if best_value >= min_speedup else 0
 
 
-class LinearCost:
-    """Online least squares of ``seconds ~ a + b * n`` with exponential forgetting.
+def best_k_for_costs(alpha: float, step_ratios: list[float], min_speedup: float = 1.0) -> int:
+    """Like ``best_k`` with measured costs: ``step_ratios[k]`` = (step with k drafts) / (plain step).
 
-    ``prior`` points (e.g. a start-up calibration) anchor the fit until enough steps were seen.
+    ``step_ratios[k] == k*c + 1`` for a linear cost, where this is exactly Leviathan's formula.
+    """
+    best, best_value = 0, 1.0
+    for k in range(1, len(step_ratios)):
+        value = expected_tokens(alpha, k) / step_ratios[k]
+        if value > best_value:
+            best, best_value = k, value
+    return best if best_value >= min_speedup else 0
+
+
+class StepCost:
+    """Seconds of a step as ``a + b*N + s*B`` (N scheduled tokens, B sequences), fit online.
+
+    ``b`` is what a draft token costs in verification; ``s`` is a sequence's own cost per step
+    (its attention reads its whole context whatever its query length, plus bookkeeping).
+    Weighted least squares: calibration points keep a fixed weight, observed steps decay, so the
+    fit follows the machine but never becomes singular when k stays constant. A one-token step
+    (batch 1, no drafts) is a matrix-vector product on the CPU, markedly cheaper than the line
+    predicts, so it is tracked on its own.
     """
 
-    def __init__(self, decay: float = 0.98) -> None:
+    def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
-        self.w = self.sn = self.snn = self.st = self.snt = 0.0
+        self.fixed = np.zeros((3, 4))  # [X^T W X | X^T W y] of calibration points
+        self.online = np.zeros((3, 4))
+        self.single: float | None = None  # EMA of one-token steps
 
-    def observe(self, n: float, seconds: float, weight: float = 1.0) -> None:
-        d = self.decay
-        self.w = self.w * d + weight
-        self.sn = self.sn * d + weight * n
-        self.snn = self.snn * d + weight * n * n
-        self.st = self.st * d + weight * seconds
-        self.snt = self.snt * d + weight * n * seconds
+    @staticmethod
+    def _outer(n: float, b: float, seconds: float) -> np.ndarray:
+        x = np.array([1.0, n, b])
+        return np.concatenate([np.outer(x, x), (x * seconds)[:, None]], axis=1)
+
+    def observe(self, n: int, batch: int, seconds: float, calibration: bool = False) -> None:
+        if n == 1:
+            self.single = seconds if self.single is None or calibration else 0.8 * self.single + 0.2 * seconds
+            return
+        if calibration:
+            self.fixed += self._outer(n, batch, seconds)
+        else:
+            self.online = self.online * self.decay + self._outer(n, batch, seconds)
 
     @property
     def ready(self) -> bool:
-        return self.w > 0
+        return bool((self.fixed[0, 0] + self.online[0, 0]) > 0)
 
-    def coefficients(self) -> tuple[float, float]:
-        """``(a, b)``, both kept non-negative; a single distinct ``n`` gives ``b = 0``."""
-        if self.w <= 0:
-            return 0.0, 0.0
-        mean_n, mean_t = self.sn / self.w, self.st / self.w
-        var = self.snn / self.w - mean_n * mean_n
-        b = (self.snt / self.w - mean_n * mean_t) / var if var > 1e-9 * max(1.0, mean_n * mean_n) else 0.0
-        b = max(b, 0.0)
-        a = mean_t - b * mean_n
-        if a < 0:  # a line through the origin instead
-            a, b = 0.0, self.snt / self.snn if self.snn > 0 else 0.0
-        return a, b
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(a, b, s)``, non-negative; a small ridge on ``s`` settles what the data cannot."""
+        m = self.fixed + self.online
+        if m[0, 0] <= 0:
+            return 0.0, 0.0, 0.0
+        xtx, xty = m[:, :3].copy(), m[:, 3]
+        scale = max(xtx[2, 2], 1.0)
+        xtx[2, 2] += 1e-3 * scale
+        xtx[1, 1] += 1e-6 * max(xtx[1, 1], 1.0)
+        a, b, s = np.linalg.lstsq(xtx, xty, rcond=None)[0]
+        if s < 0:  # refit without the per-sequence term
+            s = 0.0
+            a, b = np.linalg.lstsq(xtx[:2, :2], xty[:2], rcond=None)[0]
+        if b < 0:
+            b = 0.0
+            a = (xty[0] - s * m[0, 2]) / m[0, 0]
+        return max(float(a), 0.0), float(b), float(s)
 
-    def predict(self, n: float) -> float:
-        a, b = self.coefficients()
-        return a + b * n
+    def predict(self, n: int, batch: int) -> float:
+        if n == 1 and self.single is not None:
+            return self.single
+        a, b, s = self.coefficients()
+        return a + b * n + s * batch
 
 
 class Acceptance:

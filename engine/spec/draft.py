@@ -117,12 +117,11 @@ class DraftModelProposer:
         runner_config = dataclasses.replace(ecfg, dtype=dtype, speculative_config=None)
         self.runner = DraftRunner(model, runner_config, engine.max_model_len, engine.runner.num_blocks)
         self.block_manager = engine.block_manager
-        self.size_ratio = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in engine.model.parameters())
         self.sampler = engine.sampler
         self.max_catchup_tokens = ecfg.max_num_batched_tokens
         self.states: dict[int, _State] = {}
-        # (tokens in one draft forward, seconds): the speculator fits the draft's step cost on these.
-        self.timings: list[tuple[int, float]] = []
+        # (tokens, sequences, seconds) of each draft forward: the speculator fits the draft's cost.
+        self.timings: list[tuple[int, int, float]] = []
 
     def _state(self, seq: Sequence) -> _State:
         epoch = seq.request.metrics.num_preemptions
@@ -173,7 +172,7 @@ class DraftModelProposer:
             start_time = time.perf_counter()
             inputs = self.runner.prepare_draft(feed)
             logits = self.runner.forward(inputs)
-            self.timings.append((int(inputs.input_ids.numel()), time.perf_counter() - start_time))
+            self.timings.append((int(inputs.input_ids.numel()), len(feed), time.perf_counter() - start_time))
             rows = [SampleRow(active[j][1], drafts[j]) for j in live]
             tokens, q = self._sample(logits, rows)
             for r, j in enumerate(live):

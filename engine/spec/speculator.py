@@ -16,7 +16,8 @@ import torch
 
 from engine.sampler import SampleRow
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec.adaptive import Acceptance, LinearCost, best_k
+from engine.spec.adaptive import Acceptance, StepCost, best_k_for_costs
+from engine.spec.calibration import DRAFT_LAYOUTS, TARGET_LAYOUTS, time_layouts
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import EMPTY, Proposal, Proposer
 from engine.spec.rejection import accept_greedy, sample_with_generator
@@ -59,10 +60,22 @@ class Speculator:
         self.engine = engine
         self.proposer = proposer or make_proposer(config, engine)
         self.acceptance = Acceptance(config.acceptance_decay)
-        self.target_cost = LinearCost()  # seconds of a step (forward + verification) vs scheduled tokens
-        self.draft_cost = LinearCost()  # seconds of one draft-model forward vs its tokens
+        self.target_cost = StepCost()  # a step (forward + verification) vs tokens and sequences
+        self.draft_cost = StepCost()  # one draft-model forward vs its tokens and sequences
         self.proposer_seconds_per_token = 0.0  # model-free proposers: EMA of their cost per draft
         self.held: dict[int, int] = {}  # seq_id -> steps at k = 0 since the last probe
+        self.last_c = 0.0  # Leviathan's c at the last choice with k > 0 (benchmarks report it)
+        if config.adaptive:
+            self.calibrate()
+
+    def calibrate(self) -> None:
+        """Time synthetic steps of the target (and the draft model) before any request runs."""
+        for n, batch, seconds in time_layouts(self.engine.runner, TARGET_LAYOUTS):
+            self.target_cost.observe(n, batch, seconds, calibration=True)
+        draft_runner = getattr(self.proposer, "runner", None)
+        if draft_runner is not None:
+            for n, batch, seconds in time_layouts(draft_runner, DRAFT_LAYOUTS):
+                self.draft_cost.observe(n, batch, seconds, calibration=True)
 
     # -------------------------------------------------------------- verify
     def verify(self, sched, inputs, logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
@@ -138,7 +151,7 @@ class Speculator:
         stats["spec_steps"] += 1
         if decode_only:
             seconds = engine.last_forward_seconds + time.perf_counter() - start
-            self.target_cost.observe(sched.num_tokens, seconds)
+            self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
         return accepted_out
 
     def _logprobs(self, logits: torch.Tensor, items: list[tuple[Sequence, int, list[int]]]) -> None:
@@ -190,47 +203,53 @@ class Speculator:
 
     def _observe_proposer(self, seconds: float, proposed: int) -> None:
         timings = getattr(self.proposer, "timings", None)
-        if timings is not None:  # the draft model: fit its forward cost per step
-            for n, t in timings:
-                self.draft_cost.observe(n, t)
+        if timings is not None:  # the draft model: fit its forward cost
+            for n, batch, t in timings:
+                self.draft_cost.observe(n, batch, t)
             timings.clear()
         elif proposed:
             per_token = seconds / proposed
             ema = self.proposer_seconds_per_token
             self.proposer_seconds_per_token = per_token if ema == 0 else 0.8 * ema + 0.2 * per_token
 
-    def relative_cost(self, batch: int) -> float:
-        """Leviathan's ``c`` at this batch size: one more draft token for every decoding sequence
-        (the target verifying it plus the proposer making it) over the cost of a plain step."""
-        a, b = self.target_cost.coefficients()
-        step = a + b * batch
-        if step <= 0:
-            return 0.0
-        if self.config.method == "draft":
-            if self.draft_cost.ready:
-                draft = self.draft_cost.predict(batch)
-            else:  # until measured: a forward costs in proportion to the weights it reads
-                draft = step * getattr(self.proposer, "size_ratio", 1.0)
-        else:
-            draft = self.proposer_seconds_per_token * batch
-        return (batch * b + draft) / step
+    def step_ratios(self, batch: int, k_max: int) -> list[float]:
+        """``r[k]``: cost of a step where each of ``batch`` decoding sequences carries k drafts
+        (the target verifying ``batch * (1 + k)`` tokens plus k proposer steps), over a plain step."""
+        target = self.target_cost
+        plain = target.predict(batch, batch) if target.ready else 0.0
+        if plain <= 0:
+            return [1.0] * (k_max + 1)  # nothing measured yet: assume drafts are free
+        ratios = [1.0]
+        for k in range(1, k_max + 1):
+            if self.config.method == "draft":
+                draft = k * (self.draft_cost.predict(batch, batch) if self.draft_cost.ready else plain)
+            else:
+                draft = k * batch * self.proposer_seconds_per_token
+            ratios.append((target.predict(batch * (1 + k), batch) + draft) / plain)
+        return ratios
 
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
         k_max = self.config.k_max
         limits = [self._room(seq, k_max) for seq in seqs]
         if not self.config.adaptive:
             return limits
-        c = self.relative_cost(len(seqs))
+        ratios = self.step_ratios(len(seqs), k_max)
+        min_speedup = self.config.min_speedup
+        worth_probing = best_k_for_costs(0.9, ratios, min_speedup) > 0
         ks = []
         for seq, limit in zip(seqs, limits):
-            k = best_k(self.acceptance.alpha(seq.seq_id), c, limit, self.config.min_speedup) if limit else 0
-            if k == 0 and limit and best_k(0.9, c, limit, self.config.min_speedup) > 0:
+            alpha = self.acceptance.alpha(seq.seq_id)
+            k = best_k_for_costs(alpha, ratios[: limit + 1], min_speedup) if limit else 0
+            if k == 0 and limit and worth_probing:
                 # Held at 0 by a low acceptance estimate that would otherwise never be revised.
                 waited = self.held.get(seq.seq_id, 0) + 1
                 if waited >= PROBE_EVERY:
                     k, waited = 1, 0
                 self.held[seq.seq_id] = waited
             ks.append(k)
+        chosen = max(ks)
+        if chosen:
+            self.last_c = (ratios[chosen] - 1.0) / chosen
         return ks
 
     def _room(self, seq: Sequence, k: int) -> int:
