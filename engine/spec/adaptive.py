@@ -58,21 +58,22 @@ class StepCost:
     ``b`` is what a draft token costs in verification; ``s`` is a sequence's own cost per step
     (its attention reads its whole context whatever its query length, plus bookkeeping).
     Weighted least squares: calibration points keep a fixed weight, observed steps decay, so the
-    fit follows the machine but never becomes singular when k stays constant. A one-token step
+    fit follows the machine but stays determined when k and B stop varying. A one-token step
     (batch 1, no drafts) is a matrix-vector product on the CPU, markedly cheaper than the line
     predicts, so it is tracked on its own.
     """
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
-        self.fixed = np.zeros((3, 4))  # [X^T W X | X^T W y] of calibration points
-        self.online = np.zeros((3, 4))
+        # Weighted sums [X^T W X | X^T W y | y^T W y] over x = (1, N, B): calibration, online.
+        self.fixed = np.zeros((3, 5))
+        self.online = np.zeros((3, 5))
         self.single: float | None = None  # EMA of one-token steps
 
     @staticmethod
     def _outer(n: float, b: float, seconds: float) -> np.ndarray:
         x = np.array([1.0, n, b])
-        return np.concatenate([np.outer(x, x), (x * seconds)[:, None]], axis=1)
+        return np.concatenate([np.outer(x, x), (x * seconds)[:, None], np.full((3, 1), seconds * seconds)], axis=1)
 
     def observe(self, n: int, batch: int, seconds: float, calibration: bool = False) -> None:
         if n == 1:
@@ -88,22 +89,25 @@ class StepCost:
         return bool((self.fixed[0, 0] + self.online[0, 0]) > 0)
 
     def coefficients(self) -> tuple[float, float, float]:
-        """``(a, b, s)``, non-negative; a small ridge on ``s`` settles what the data cannot."""
+        """``(a, b, s)``: non-negative least squares, solved exactly over the 7 active sets."""
         m = self.fixed + self.online
         if m[0, 0] <= 0:
             return 0.0, 0.0, 0.0
-        xtx, xty = m[:, :3].copy(), m[:, 3]
-        scale = max(xtx[2, 2], 1.0)
-        xtx[2, 2] += 1e-3 * scale
-        xtx[1, 1] += 1e-6 * max(xtx[1, 1], 1.0)
-        a, b, s = np.linalg.lstsq(xtx, xty, rcond=None)[0]
-        if s < 0:  # refit without the per-sequence term
-            s = 0.0
-            a, b = np.linalg.lstsq(xtx[:2, :2], xty[:2], rcond=None)[0]
-        if b < 0:
-            b = 0.0
-            a = (xty[0] - s * m[0, 2]) / m[0, 0]
-        return max(float(a), 0.0), float(b), float(s)
+        xtx, xty, yty = m[:, :3], m[:, 3], m[0, 4]
+        best, best_residual = np.zeros(3), yty
+        for mask in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+            idx = list(mask)
+            sub = xtx[np.ix_(idx, idx)]
+            if abs(np.linalg.det(sub)) < 1e-12 * max(1.0, float(np.abs(sub).max())) ** len(idx):
+                continue
+            theta = np.zeros(3)
+            theta[idx] = np.linalg.solve(sub, xty[idx])
+            if (theta < 0).any():
+                continue
+            residual = yty - 2 * theta @ xty + theta @ xtx @ theta
+            if residual < best_residual - 1e-15:
+                best, best_residual = theta, residual
+        return float(best[0]), float(best[1]), float(best[2])
 
     def predict(self, n: int, batch: int) -> float:
         if n == 1 and self.single is not None:
