@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 METHODS = ("ngram", "draft", "suffix")
 MAX_SPEC_TOKENS = 32  # the verifier lays out at most this many draft rows per sequence
@@ -26,7 +29,7 @@ class SpeculativeConfig:
     method: Literal["ngram", "draft", "suffix"] = "ngram"
     num_speculative_tokens: int | Literal["auto"] = "auto"
     max_speculative_tokens: int = 10  # the ceiling of "auto"
-    draft_model: str | None = None
+    draft_model: "str | torch.nn.Module | None" = None  # a path/hub id, or a model already loaded
     draft_dtype: str | None = None  # defaults to the target's dtype
     # ngram (prompt lookup): match the last n tokens, n from max down to min.
     prompt_lookup_min: int = 1
@@ -46,9 +49,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens != "auto":
             _check_k("num_speculative_tokens", self.num_speculative_tokens)
         _check_k("max_speculative_tokens", self.max_speculative_tokens)
-        if self.method == "draft" and not self.draft_model:
+        if self.method == "draft" and self.draft_model is None:
             raise ValueError("method 'draft' needs draft_model (a model with the target's tokenizer)")
-        if self.method != "draft" and self.draft_model:
+        if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"draft_model is only used by method 'draft', not {self.method!r}")
         for name in ("prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth", "suffix_max_cached_tokens"):
             value = getattr(self, name)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.attention import PagedMetadata
+from engine.attention import ATTN_IMPLEMENTATION, PagedMetadata
 from engine.config import parse_dtype
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, StepInputs
@@ -110,8 +110,13 @@ class DraftModelProposer:
     def __init__(self, config, engine, model=None) -> None:
         ecfg = engine.config
         dtype = parse_dtype(config.draft_dtype, ecfg.device) if config.draft_dtype else ecfg.dtype
-        model = model or load_model(config.draft_model, dtype, ecfg.device, ecfg.trust_remote_code)
-        check_vocab(model, engine.vocab_size, config.draft_model)
+        name = config.draft_model if isinstance(config.draft_model, str) else type(config.draft_model).__name__
+        if model is None and isinstance(config.draft_model, str):
+            model = load_model(config.draft_model, dtype, ecfg.device, ecfg.trust_remote_code)
+        elif model is None:  # a model object: put our paged attention in it
+            model = config.draft_model.to(device=ecfg.device, dtype=dtype).eval().requires_grad_(False)
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        check_vocab(model, engine.vocab_size, name)
         text_config = model.config.get_text_config()
         self.max_len = min(engine.max_model_len, getattr(text_config, "max_position_embeddings", None) or 2048)
         runner_config = dataclasses.replace(ecfg, dtype=dtype, speculative_config=None)

@@ -30,6 +30,7 @@ STAT_KEYS = (
     "spec_draft_tokens",
     "spec_accepted_tokens",
     "spec_emitted_tokens",
+    "spec_rejections",  # verifications that rejected a draft (per-token acceptance = A / (A + R))
     "spec_proposer_failures",
 )
 PROBE_EVERY = 8  # a sequence held at k = 0 by low acceptance retries k = 1 this often
@@ -142,6 +143,7 @@ class Speculator:
                 self.acceptance.update(seq.seq_id, len(drafts), num_accepted)
                 stats["spec_draft_tokens"] += len(drafts)
                 stats["spec_accepted_tokens"] += num_accepted
+                stats["spec_rejections"] += int(rejected > 0)
             stats["spec_emitted_tokens"] += len(tokens)
             if seq.params.logprobs is not None:
                 want_logprobs.append((seq, row0, tokens))

@@ -1,0 +1,248 @@
+"""Speculative decoding, side by side in one process on SmolLM2-135M-Instruct (CPU by default).
+
+1. batch 1, input-grounded prompts (rewrite, rename in code, copy, verbatim summary): n-gram
+   (auto k and k=10) vs no speculation vs HF ``generate`` with and without prompt lookup (10);
+2. draft models of controlled acceptance (the target itself; a weight-perturbed copy; a copy cut
+   to its first layers): measured acceptance alpha, cost ratio c and speedup, against Leviathan's
+   prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1));
+3. suffix decoding on 64 extraction requests whose outputs share one JSON shape, vs no speculation;
+4. batch 32 on the long-tail chat workload (``bench/workload.py``): "auto" vs no speculation.
+
+Every figure is measured in this run; ratios are what to read (the machine is shared).
+
+    python bench/speculative.py                       # all sections, ~10 min on 2 CPU cores
+    python bench/speculative.py --sections 1,3 --grounded-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from bench.spec_workloads import GROUNDED, extraction_workload  # noqa: E402
+from bench.workload import long_tail_workload  # noqa: E402
+from engine import LLM, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.model_hub import DEFAULT_MODEL, resolve_model  # noqa: E402
+from engine.spec.adaptive import expected_speedup  # noqa: E402
+
+
+def useful(tokens: list[int], eos: set[int], limit: int) -> int:
+    for i, t in enumerate(tokens[:limit]):
+        if t in eos:
+            return i + 1
+    return min(len(tokens), limit)
+
+
+def engine_like(base: LLM, model=None, **overrides) -> LLM:
+    """Another engine over already-loaded weights (``model`` defaults to the base's)."""
+    config = EngineConfig(model=base.engine.config.model, device=base.engine.config.device, **overrides)
+    return LLM.from_engine(LLMEngine(config, model=model or base.engine.model, tokenizer=base.engine.tokenizer))
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], one_by_one: bool):
+    """(seconds, output tokens, outputs); one_by_one runs each prompt alone (batch 1)."""
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    if one_by_one:
+        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), outs
+
+
+def acceptance(llm: LLM) -> tuple[float, int, int]:
+    stats = llm.engine.stats
+    a, d, r = stats.get("spec_accepted_tokens", 0), stats.get("spec_draft_tokens", 0), stats.get("spec_rejections", 0)
+    return (a / (a + r) if a + r else float("nan")), a, d
+
+
+def reset_stats(llm: LLM) -> None:
+    for key in list(llm.engine.stats):
+        llm.engine.stats[key] = 0
+
+
+def line(name: str, seconds: float, tokens: int, extra: str = "") -> float:
+    rate = tokens / seconds
+    print(f"  {name:<34s}: {tokens:6d} tokens in {seconds:7.1f}s = {rate:7.2f} tok/s {extra}", flush=True)
+    return rate
+
+
+def hf_batch1(model, prompts, max_tokens: int, eos: set[int], lookup: int | None) -> tuple[float, int]:
+    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, **kwargs)
+    start = time.perf_counter()
+    total = 0
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos), **kwargs)
+        total += useful(out[0, ids.shape[1] :].tolist(), eos, max_tokens)
+    return time.perf_counter() - start, total
+
+
+# ------------------------------------------------------------------ sections
+def section_grounded(base: LLM, hf, args) -> None:
+    print(f"\n[1] batch 1, {len(GROUNDED)} input-grounded prompts, greedy, max_tokens {args.grounded_tokens}")
+    prompts = [base.engine.apply_chat_template([{"role": "user", "content": g}]) for g in GROUNDED]
+    params = [SamplingParams(temperature=0, max_tokens=args.grounded_tokens)] * len(prompts)
+    eos = base.engine.eos_ids
+    rates = {}
+    t, n, ref = timed_generate(base, prompts, params, one_by_one=True)
+    rates["nospec"] = line("specbatch, no speculation", t, n)
+    for name, cfg in (("ngram auto", {"method": "ngram"}), ("ngram k=10", {"method": "ngram", "num_speculative_tokens": 10})):
+        llm = engine_like(base, speculative_config=cfg)
+        t, n, outs = timed_generate(llm, prompts, params, one_by_one=True)
+        alpha, a, d = acceptance(llm)
+        same = sum(o.outputs[0].token_ids == r.outputs[0].token_ids for o, r in zip(outs, ref))
+        rates[name] = line(f"specbatch, {name}", t, n, f"(accepted {a}/{d} drafts, alpha {alpha:.2f}; {same}/{len(outs)} outputs identical)")
+    t, n = hf_batch1(hf, prompts, args.grounded_tokens, eos, None)
+    rates["hf"] = line("HF generate", t, n)
+    t, n = hf_batch1(hf, prompts, args.grounded_tokens, eos, 10)
+    rates["hf_pld"] = line("HF generate, prompt lookup 10", t, n)
+    best = max(rates["ngram auto"], rates["ngram k=10"])
+    print(f"  ratio ngram auto / no spec         : {rates['ngram auto'] / rates['nospec']:.2f}x  (target >= 2)")
+    print(f"  ratio ngram auto / HF prompt lookup: {rates['ngram auto'] / rates['hf_pld']:.2f}x  (target >= 2)")
+    print(f"  ratio ngram k=10 / no spec         : {rates['ngram k=10'] / rates['nospec']:.2f}x; / HF prompt lookup "
+          f"{rates['ngram k=10'] / rates['hf_pld']:.2f}x; best ngram / HF generate {best / rates['hf']:.2f}x")
+    print(f"  ratio HF prompt lookup / HF generate: {rates['hf_pld'] / rates['hf']:.2f}x; "
+          f"specbatch no spec / HF generate {rates['nospec'] / rates['hf']:.2f}x")
+
+
+def perturbed_copy(model, sigma: float, seed: int):
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * p.std() * sigma)
+    return draft
+
+
+def truncated_copy(model, layers: int):
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:layers]
+    return draft
+
+
+def section_draft(base: LLM, args) -> None:
+    k = args.draft_k
+    print(f"\n[2] draft models at batch 1, greedy, {len(GROUNDED)} grounded prompts x {args.draft_tokens} tokens, k={k}")
+    prompts = [base.engine.apply_chat_template([{"role": "user", "content": g}]) for g in GROUNDED]
+    params = [SamplingParams(temperature=0, max_tokens=args.draft_tokens)] * len(prompts)
+    t0, n0, _ = timed_generate(base, prompts, params, one_by_one=True)
+    base_rate = line("no speculation", t0, n0)
+    target = base.engine.model
+    drafts = [
+        ("the target itself", target),
+        (f"perturbed copy (sigma {args.perturb_sigma})", perturbed_copy(target, args.perturb_sigma, 0)),
+        (f"first {args.truncate_layers} layers", truncated_copy(target, args.truncate_layers)),
+    ]
+    probe = prompts[0]
+    for name, model in drafts:
+        # c: a draft forward over a target forward, both as plain batch-1 decoders, measured now.
+        alone = engine_like(base, model=model)
+        p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        t_d, n_d, _ = timed_generate(alone, [probe], [p], one_by_one=True)
+        t_t, n_t, _ = timed_generate(base, [probe], [p], one_by_one=True)
+        c = (t_d / n_d) / (t_t / n_t)
+        for label, cfg in ((f"k={k}", {"num_speculative_tokens": k}), ("auto", {})):
+            llm = engine_like(base, speculative_config={"method": "draft", "draft_model": model, **cfg})
+            t, n, _ = timed_generate(llm, prompts, params, one_by_one=True)
+            alpha, a, d = acceptance(llm)
+            speedup = (n / t) / base_rate
+            if label == "auto":
+                print(f"  {name:<30s} auto : speedup {speedup:5.2f}x (accepted {a}/{d})")
+                continue
+            predicted = expected_speedup(min(alpha, 0.9999), k, c)
+            print(f"  {name:<30s} {label}: alpha {alpha:.3f}, c {c:.3f}, speedup {speedup:5.2f}x, Leviathan "
+                  f"{predicted:5.2f}x, achieved {speedup / predicted:.2f} of it (target >= 0.85)", flush=True)
+
+
+def section_suffix(base: LLM, args) -> None:
+    num = args.suffix_requests
+    print(f"\n[3] suffix decoding: {num} extraction requests (one JSON shape), greedy, max_tokens {args.suffix_tokens}, "
+          f"max_num_seqs {args.max_num_seqs}")
+    prompts = [base.engine.apply_chat_template([{"role": "user", "content": p}]) for p in extraction_workload(num)]
+    params = [SamplingParams(temperature=0, max_tokens=args.suffix_tokens)] * num
+    plain = engine_like(base, max_num_seqs=args.max_num_seqs)
+    t, n, ref = timed_generate(plain, prompts, params, one_by_one=False)
+    r0 = line("no speculation", t, n)
+    print(f"  sample output: {ref[0].outputs[0].text[:120]!r}")
+    for name, cfg in (("suffix auto", {"method": "suffix"}), ("suffix k=8", {"method": "suffix", "num_speculative_tokens": 8})):
+        llm = engine_like(base, max_num_seqs=args.max_num_seqs, speculative_config=cfg)
+        t, n, outs = timed_generate(llm, prompts, params, one_by_one=False)
+        alpha, a, d = acceptance(llm)
+        same = sum(o.outputs[0].token_ids == r.outputs[0].token_ids for o, r in zip(outs, ref))
+        r1 = line(name, t, n, f"(accepted {a}/{d}, alpha {alpha:.2f}; {same}/{num} identical)")
+        print(f"  ratio {name} / no speculation: {r1 / r0:.2f}x  (target >= 1.5)")
+
+
+def section_long_tail(base: LLM, args) -> None:
+    num = args.long_tail_requests
+    convs, max_tokens = long_tail_workload(num, args.seed)
+    print(f"\n[4] long-tail chat workload: {num} requests, max_num_seqs {num}, max_tokens sum {sum(max_tokens)}, greedy")
+    prompts = [base.engine.apply_chat_template(c) for c in convs]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    plain = engine_like(base, max_num_seqs=num)
+    t, n, _ = timed_generate(plain, prompts, params, one_by_one=False)
+    r0 = line("no speculation", t, n)
+    for method in args.long_tail_methods.split(","):
+        llm = engine_like(base, max_num_seqs=num, speculative_config={"method": method})
+        t, n, _ = timed_generate(llm, prompts, params, one_by_one=False)
+        alpha, a, d = acceptance(llm)
+        r1 = line(f"{method} auto", t, n, f"(accepted {a}/{d} drafts)")
+        print(f"  ratio {method} auto / no speculation: {r1 / r0:.2f}x  (target >= 0.95)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--sections", default="1,2,3,4")
+    parser.add_argument("--grounded-tokens", type=int, default=128)
+    parser.add_argument("--draft-tokens", type=int, default=48)
+    parser.add_argument("--draft-k", type=int, default=4)
+    parser.add_argument("--perturb-sigma", type=float, default=0.05)
+    parser.add_argument("--truncate-layers", type=int, default=4)
+    parser.add_argument("--suffix-requests", type=int, default=64)
+    parser.add_argument("--suffix-tokens", type=int, default=96)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--long-tail-requests", type=int, default=32)
+    parser.add_argument("--long-tail-methods", default="ngram")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 is far steadier on a machine shared with other work")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = resolve_model(args.model)
+    base = LLM(path, device="cpu")
+    print(f"model {args.model} on cpu, torch threads {torch.get_num_threads()}", flush=True)
+    sections = {s.strip() for s in args.sections.split(",")}
+    start = time.perf_counter()
+    if "1" in sections:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        section_grounded(base, hf, args)
+        del hf
+    if "2" in sections:
+        section_draft(base, args)
+    if "3" in sections:
+        section_suffix(base, args)
+    if "4" in sections:
+        section_long_tail(base, args)
+    print(f"\ntotal {time.perf_counter() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
