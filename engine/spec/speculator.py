@@ -19,7 +19,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.spec.adaptive import Acceptance, StepCost, best_k_for_costs
 from engine.spec.calibration import DRAFT_LAYOUTS, TARGET_LAYOUTS, time_layouts
 from engine.spec.config import SpeculativeConfig
-from engine.spec.proposer import EMPTY, Proposal, Proposer
+from engine.spec.proposer import EMPTY, Proposer
 from engine.spec.rejection import accept_greedy, sample_with_generator
 
 log = logging.getLogger(__name__)

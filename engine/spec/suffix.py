@@ -1,9 +1,10 @@
 """Suffix decoding: propose what most often followed the current context's longest matched suffix
-anywhere in this run (SuffixDecoding, arXiv 2411.04975; ArcticInference's cache, in Python).
+in this run's outputs, or in the request's own prompt and output (SuffixDecoding, arXiv
+2411.04975; ArcticInference's cache, in Python).
 
 ``SuffixIndex`` is a trie holding every substring of length ``<= max_depth`` of the token lists
 inserted into it, each node counting its occurrences. Lists grow by appending (a running
-sequence's prompt, then its output as it is accepted): each new token extends the at most
+sequence's output as it is accepted): each new token extends the at most
 ``max_depth`` substrings that ended at the previous token, O(depth) per token. Lists are kept
 in FIFO order and the oldest finished ones are evicted (their counts subtracted) once the
 index holds more than ``max_tokens`` tokens. The trie is closed under suffixes, so the longest
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.sequence import Sequence
+from engine.spec.ngram import NgramIndex, continuation
 from engine.spec.proposer import EMPTY, Proposal
 
 
@@ -125,11 +127,18 @@ class SuffixIndex:
         return 0, self.root
 
     def speculate(self, context: list[int], k: int, min_prob: float = 0.1, spec_factor: float = 1.0) -> list[int]:
-        """Up to ``k`` tokens: the most frequent continuation, while its estimated probability
-        (the product of child/parent counts along the path) stays ``>= min_prob``."""
+        return self.speculate_with_length(context, k, min_prob, spec_factor)[1]
+
+    def speculate_with_length(
+        self, context: list[int], k: int, min_prob: float = 0.1, spec_factor: float = 1.0
+    ) -> tuple[int, list[int]]:
+        """``(match length, up to k tokens)``: the most frequent continuation of the longest
+        matched suffix, while its estimated probability (the product of child/parent counts
+        along the path) stays ``>= min_prob``; at most ``match length * spec_factor`` tokens."""
         length, node = self.longest_suffix(context)
+        matched = length
         if length == 0:
-            return []
+            return 0, []
         k = min(k, max(1, int(length * spec_factor)))
         out: list[int] = []
         prob = 1.0
@@ -144,27 +153,47 @@ class SuffixIndex:
                 break
             out.append(token)
             node = child
-        return out
+        return matched, out
 
 
 class SuffixProposer:
-    """Keeps every decoding sequence's tokens in one shared ``SuffixIndex`` and drafts from it.
+    """Drafts from two indexes, as ArcticInference does: a global ``SuffixIndex`` over the outputs
+    of this run (running and finished sequences), and the sequence's own prompt and output (a
+    prompt-lookup index, longest n-gram up to ``LOCAL_MAX_N``). The longer match wins; on a tie
+    the global one, whose counts say how often the continuation held.
 
-    A sequence's tokens are inserted up to, not including, its last one, so the context being
+    Prompts stay out of the global index on purpose: a bulk job repeats one instruction in every
+    prompt, and its words would otherwise outvote the outputs' own structure (after ``"name`` the
+    instruction's ``",`` instead of the records' ``":``).
+
+    A sequence's output is inserted up to, not including, its last token, so the context being
     matched is not trivially found as its own (continuation-less) occurrence.
     """
+
+    LOCAL_MAX_N = 8
 
     def __init__(self, max_depth: int, max_tokens: int, min_prob: float, spec_factor: float) -> None:
         self.index = SuffixIndex(max_depth, max_tokens)
         self.min_prob = min_prob
         self.spec_factor = spec_factor
-        self.inserted: dict[int, int] = {}
+        self.inserted: dict[int, int] = {}  # seq_id -> tokens of it in the global index
+        self.local: dict[int, NgramIndex] = {}
 
     def _sync(self, seq: Sequence, end: int) -> None:
-        done = self.inserted.get(seq.seq_id, 0)
+        done = self.inserted.get(seq.seq_id, seq.num_prompt_tokens)
         if end > done:
             self.index.extend(seq.seq_id, seq.token_ids[done:end])
-            self.inserted[seq.seq_id] = end
+        self.inserted[seq.seq_id] = max(done, end)
+
+    def _local(self, seq: Sequence, k: int) -> tuple[int, list[int]]:
+        index = self.local.get(seq.seq_id)
+        if index is None:
+            index = self.local[seq.seq_id] = NgramIndex(1, self.LOCAL_MAX_N)
+        hit = index.match(seq.token_ids)
+        if hit is None:
+            return 0, []
+        pos, n = hit
+        return n, continuation(seq.token_ids, pos, min(k, max(1, int(n * self.spec_factor))))
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         out: list[Proposal] = []
@@ -173,7 +202,11 @@ class SuffixProposer:
             if k <= 0:
                 out.append(EMPTY)
                 continue
-            tokens = self.index.speculate(seq.token_ids, k, self.min_prob, self.spec_factor)
+            context = seq.token_ids
+            length, tokens = self.index.speculate_with_length(context, k, self.min_prob, self.spec_factor)
+            local_length, local_tokens = self._local(seq, k)
+            if local_length > length:
+                tokens = local_tokens
             out.append(Proposal(tokens) if tokens else EMPTY)
         return out
 
@@ -181,4 +214,5 @@ class SuffixProposer:
         if seq.seq_id in self.inserted and seq.finish_reason not in ("abort", "error"):
             self._sync(seq, seq.num_tokens)
         self.inserted.pop(seq.seq_id, None)
+        self.local.pop(seq.seq_id, None)
         self.index.close(seq.seq_id)

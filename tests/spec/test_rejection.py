@@ -140,6 +140,8 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     if rest_exp > 0 or rest_obs > 0:
         obs, exp = torch.cat([obs, rest_obs[None]]), torch.cat([exp, rest_exp[None]])
     assert int(big.sum()) >= 5  # enough cells for the test to mean something
+    if bool(((exp == 0) & (obs > 0)).any()):
+        return 0.0  # a token the target never emits: as far from it as can be
     return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
 
 
