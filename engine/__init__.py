@@ -1,0 +1,23 @@
+"""specbatch's engine: continuous batching over a paged KV cache with speculative decoding.
+
+Knows nothing of queues or databases; ``worker`` drives it through ``EngineLoop``.
+"""
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.loop import EngineLoop, RequestHandle
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineLoop",
+    "LLMEngine",
+    "RequestHandle",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

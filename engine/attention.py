@@ -1,0 +1,74 @@
+"""Our paged attention, plugged into unmodified transformers models.
+
+The runner flattens a whole step into one ragged sequence (batch dimension 1) and passes a
+``PagedMetadata`` through the model's ``**kwargs``; transformers hands it to every attention
+layer, which writes the step's new K/V into their slots and attends over each sequence's
+blocks through ``kernels``. No causal mask is built: the kernels know the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+import kernels
+
+ATTN_IMPLEMENTATION = "specbatch_paged"
+
+
+@dataclass(slots=True)
+class PagedMetadata:
+    """What every attention layer needs to know about the current flat step."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32, tokens in cache per sequence after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    backend: str = "torch"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    specbatch_metadata: PagedMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry: ``query[1, H, T, D]`` → ``[1, T, H, D]``."""
+    meta = specbatch_metadata
+    if meta is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs specbatch_metadata")
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.context_lens,
+        meta.query_start_loc,
+        scale,
+        getattr(module, "sliding_window", None),
+        backend=meta.backend,
+    )
+    return out[None], None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

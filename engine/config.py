@@ -1,0 +1,70 @@
+"""Engine configuration: the knobs a user sets on ``LLM`` or ``EngineLoop``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.spec.config import SpeculativeConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """float32 on the CPU and bfloat16 on CUDA unless the user names one."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; defaults suit a CPU and a small model."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype | None = None
+    device: str | torch.device | None = None
+    block_size: int = 16
+    # KV-cache budget: bytes on any device; on CUDA, when None, a fraction of free memory.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    speculative_config: "SpeculativeConfig | None" = None
+    trust_remote_code: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device) if self.device is not None else default_device()
+        self.dtype = parse_dtype(self.dtype, self.device)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

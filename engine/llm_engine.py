@@ -1,0 +1,296 @@
+"""``LLMEngine``: requests in, one scheduled forward per ``step()``, outputs out.
+
+It is single-threaded by design: ``EngineLoop`` owns it from one thread; ``LLM`` drives it
+directly. ``make_request`` (validation and tokenisation) is the only method safe to call from
+other threads, so bad input fails in the caller, at submission, never inside the loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import StopChecker
+from engine.loader import eos_token_ids, load_model, load_tokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampler import SampleRow, Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Request, Sequence, SequenceStatus
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+        self.model = model or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
+        text_config = self.model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        model_len = getattr(text_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.runner = ModelRunner(self.model, config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        generator = torch.Generator(device=config.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(self.eos_ids, generator)
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._tokenizer_lock = threading.Lock()
+        self.speculator = None
+        if config.speculative_config is not None:
+            from engine.spec.speculator import Speculator
+
+            self.speculator = Speculator(config.speculative_config, self)
+        self.stats: dict[str, int] = {"steps": 0, "scheduled_tokens": 0, "sampled_tokens": 0, "max_batch_size": 0}
+
+    # ------------------------------------------------------------- submission
+    def make_request(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and tokenise one request; raise ``ValueError`` naming the field at fault."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        text: str | None = None
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("give either prompt or messages, not both")
+            token_ids = self.apply_chat_template(messages)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text = prompt
+            with self._tokenizer_lock:
+                token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt token ids must all be integers")
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        elif prompt is None:
+            raise ValueError("prompt (or messages) is required")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, over the model's context of {self.max_model_len} "
+                "(it must leave room for at least one output token)"
+            )
+        if not self.block_manager.can_ever_fit(len(token_ids) + 1):
+            raise ValueError(
+                f"prompt needs {self.block_manager.blocks_needed(len(token_ids) + 1)} KV-cache blocks but the "
+                f"cache holds {self.block_manager.num_blocks}; raise kv_cache_memory_bytes"
+            )
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time(), num_prompt_tokens=len(token_ids))
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            metrics=metrics,
+        )
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"messages[{i}].content must be a string")
+        with self._tokenizer_lock:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def add(self, request: Request) -> None:
+        """Put a validated request into the waiting queue (loop thread only)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        device = self.config.device
+        for index in range(request.params.n):
+            seq = Sequence(
+                request=request,
+                index=index,
+                token_ids=list(request.prompt_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                generator=make_generator(request.params.seed, index, device),
+                logprobs=[] if request.params.logprobs is not None else None,
+            )
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | list[int] | None = None, **kwargs) -> str:
+        request = self.make_request(prompt, **kwargs)
+        self.add(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.aborted = True
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+        request.metrics.finished_time = time.time()
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """Run one scheduled forward; return the requests that changed (new tokens or finished)."""
+        sched = self.scheduler.schedule()
+        changed: dict[str, Request] = {}
+        for seq, message in sched.failed:
+            self._fail(seq.request, message, changed)
+        if not sched.scheduled:
+            return list(changed.values())
+        self.stats["steps"] += 1
+        self.stats["scheduled_tokens"] += sched.num_tokens
+        now = time.time()
+        requests_in_step = {item.seq.request.request_id: item.seq.request for item in sched.scheduled}
+        batch_size = len(sched.scheduled)
+        self.stats["max_batch_size"] = max(self.stats["max_batch_size"], batch_size)
+        for request in requests_in_step.values():
+            metrics = request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            metrics.num_steps += 1
+            metrics.max_batch_size = max(metrics.max_batch_size, batch_size)
+        inputs = self.runner.prepare(sched.scheduled)
+        try:
+            logits = self.runner.forward(inputs)
+        except Exception as exc:  # a failed forward fails the requests in it, not the loop
+            for request in requests_in_step.values():
+                self._fail(request, f"model forward failed: {type(exc).__name__}: {exc}", changed)
+            return list(changed.values())
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        if self.speculator is not None:
+            accepted = self.speculator.verify(sched, inputs, logits)
+        else:
+            accepted = self._sample(sched, inputs, logits)
+        for seq, tokens in accepted:
+            request = seq.request
+            try:
+                self._append_tokens(seq, tokens)
+            except Exception as exc:
+                self._fail(request, f"post-processing failed: {type(exc).__name__}: {exc}", changed)
+                continue
+            changed[request.request_id] = request
+        for item in sched.scheduled:
+            seq = item.seq
+            if not seq.is_finished and seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
+        if self.speculator is not None:
+            self.speculator.propose([s for s in self.scheduler.running if not s.is_finished])
+        return list(changed.values())
+
+    def _sample(self, sched: SchedulerOutput, inputs, logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
+        seqs = [sched.scheduled[i].seq for i, _row, _n in inputs.sample_rows]
+        if not seqs:
+            return []
+        rows = [SampleRow(seq, []) for seq in seqs]
+        tokens = self.sampler.sample(logits, rows)
+        wants_logprobs = [seq.params.logprobs for seq in seqs]
+        logprobs = self.sampler.logprobs(logits, tokens, wants_logprobs)
+        for seq, lp in zip(seqs, logprobs):
+            if lp is not None:
+                seq.logprobs.append(lp)
+        return [(seq, [token]) for seq, token in zip(seqs, tokens)]
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+        metrics = seq.request.metrics
+        now = time.time()
+        for token in tokens:
+            finished = self.stop_checker.append(seq, token)
+            metrics.num_output_tokens += 1
+            self.stats["sampled_tokens"] += 1
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if finished:
+                self._finish(seq, seq.finish_reason)
+                break
+        if seq.logprobs is not None and len(seq.logprobs) > seq.num_output_tokens:
+            del seq.logprobs[seq.num_output_tokens :]
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        seq.draft_token_ids = []
+        self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
+        request = seq.request
+        if request.is_finished:
+            request.metrics.finished_time = time.time()
+            self.requests.pop(request.request_id, None)
+
+    def _fail(self, request: Request, message: str, changed: dict[str, Request]) -> None:
+        request.error = message
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "error")
+        request.metrics.finished_time = time.time()
+        self.requests.pop(request.request_id, None)
+        changed[request.request_id] = request
+
+    # ---------------------------------------------------------------- outputs
+    def make_output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        outputs = []
+        for seq in request.seqs:
+            text = self.stop_checker.final_text(seq) if seq.is_finished else seq.text
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    cumulative_logprob=(
+                        sum(lp[t] for lp, t in zip(seq.logprobs, seq.output_token_ids)) if seq.logprobs else None
+                    ),
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=request.metrics,
+            error=request.error,
+            num_cached_tokens=request.metrics.num_cached_tokens,
+        )

@@ -1,0 +1,35 @@
+"""Loading a Hugging Face causal LM and its tokenizer for the engine."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+
+from engine.attention import ATTN_IMPLEMENTATION
+from engine.model_hub import resolve_model
+
+
+def load_tokenizer(model: str, trust_remote_code: bool = False):
+    return AutoTokenizer.from_pretrained(resolve_model(model), trust_remote_code=trust_remote_code)
+
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The model in eval mode with our paged attention selected in every layer."""
+    path = resolve_model(model)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return hf_model.to(device).eval().requires_grad_(False)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
+    """Every token that ends a generation: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config: GenerationConfig | None = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    return ids

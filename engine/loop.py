@@ -1,0 +1,179 @@
+"""``EngineLoop``: the engine stepping in its own thread while requests come and go.
+
+Callers in any thread ``submit`` (validation and tokenisation happen in the caller, so bad
+input raises there); the loop thread merges new requests into the running batch at the next
+step, streams new tokens to each ``RequestHandle`` and resolves it when the request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Iterator
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+class RequestHandle:
+    """A submitted request: a future for its final output and an iterator of new token ids."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.future: Future[RequestOutput] = Future()
+        self._tokens: queue.Queue = queue.Queue()
+        self._sent = 0
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """New token ids of the first sample, as they are generated."""
+        while True:
+            item = self._tokens.get()
+            if item is _DONE:
+                return
+            yield item
+
+    def _publish(self, out: RequestOutput) -> None:
+        tokens = out.outputs[0].token_ids if out.outputs else []
+        if len(tokens) > self._sent:
+            self._tokens.put(tokens[self._sent :])
+            self._sent = len(tokens)
+        if out.finished:
+            self._tokens.put(_DONE)
+            if not self.future.done():
+                self.future.set_result(out)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._handles: dict[str, RequestHandle] = {}
+        self._stopping = threading.Event()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="specbatch-engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------ any thread
+    def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestHandle:
+        """Validate and queue a request; it joins the running batch at the next step."""
+        if not self._accepting:
+            raise RuntimeError("the engine loop is shutting down")
+        request = self.engine.make_request(
+            prompt, messages=messages, params=params, request_id=request_id, arrival_time=arrival_time
+        )
+        handle = RequestHandle(request.request_id)
+        self._inbox.put(("add", request, handle))
+        self._wakeup.set()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wakeup.set()
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop accepting, let running requests finish for up to ``drain_timeout``, abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self._handles_pending() and time.monotonic() < deadline and self.running:
+            time.sleep(0.01)
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=max(1.0, drain_timeout))
+
+    def _handles_pending(self) -> bool:
+        return bool(self._handles) or not self._inbox.empty()
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.engine.scheduler
+        return {
+            **self.engine.stats,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "free_blocks": self.engine.block_manager.num_free_blocks,
+            "num_blocks": self.engine.block_manager.num_blocks,
+        }
+
+    # ----------------------------------------------------------- loop thread
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add(payload)
+                    self._handles[payload.request_id] = handle
+                except Exception as exc:
+                    handle.future.set_exception(exc)
+                    handle._tokens.put(_DONE)
+            elif kind == "abort":
+                request = self.engine.abort(payload)
+                handle = self._handles.pop(payload, None)
+                if request is not None and handle is not None:
+                    handle._publish(self.engine.make_output(request))
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._wakeup.clear()
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait(timeout=0.5)
+                    continue
+                for request in self.engine.step():
+                    handle = self._handles.get(request.request_id)
+                    if handle is None:
+                        continue
+                    try:
+                        handle._publish(self.engine.make_output(request))
+                    except Exception as exc:  # one bad output never stops the loop
+                        log.exception("publishing %s failed", request.request_id)
+                        handle.future.set_exception(exc)
+                    if request.is_finished:
+                        self._handles.pop(request.request_id, None)
+        except BaseException as exc:  # the loop itself broke: fail everyone, loudly
+            self.error = exc
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            for request_id, handle in list(self._handles.items()):
+                request = self.engine.abort(request_id)
+                if request is not None:
+                    if self.error is not None:
+                        request.error = f"engine loop stopped: {self.error!r}"
+                    handle._publish(self.engine.make_output(request))
+                elif not handle.done():
+                    handle.future.set_exception(RuntimeError("engine loop stopped"))
+            self._handles.clear()

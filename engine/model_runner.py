@@ -1,0 +1,134 @@
+"""Runs one flat step of the model over the paged KV cache.
+
+The scheduled tokens of every sequence are laid end to end (batch dimension 1) with their
+positions and cache slots; the model computes logits only at the positions that are sampled
+(the last token of a sequence, plus each draft token under speculation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+import kernels
+from engine.attention import PagedMetadata
+from engine.config import EngineConfig
+from engine.scheduler import ScheduledSeq
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: PagedMetadata
+    logits_indices: torch.Tensor
+    # For each scheduled sequence that samples: (index into scheduled, first logits row, rows).
+    sample_rows: list[tuple[int, int, int]]
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, config: EngineConfig, max_model_len: int) -> None:
+        self.model = model
+        self.config = config
+        self.device: torch.device = config.device
+        self.block_size = config.block_size
+        text_config = model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.backend = kernels.kernel_backend(self.device)
+        self.num_blocks = self._num_blocks(max_model_len)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=config.dtype, device=self.device),
+                torch.zeros(shape, dtype=config.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.tensor([], dtype=self.config.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        """Blocks that fit the memory budget, never more than the batch could ever use."""
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // self.bytes_per_block
+        useful = self.config.max_num_seqs * (-(-max_model_len // self.block_size) + 1)
+        if self.config.kv_cache_memory_bytes is None:
+            num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no block of {self.bytes_per_block} bytes; raise it"
+            )
+        return int(num_blocks)
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        context_lens: list[int] = []
+        starts = [0]
+        logits_indices: list[int] = []
+        sample_rows: list[tuple[int, int, int]] = []
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            ids.extend(seq.all_token_ids_with_spec()[start : start + n])
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            tables[i, : len(seq.block_table)] = table.to(torch.int32)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            context_lens.append(start + n)
+            offset = starts[-1]
+            starts.append(offset + n)
+            if item.samples:
+                rows = 1 + len(seq.draft_token_ids)
+                sample_rows.append((i, len(logits_indices), rows))
+                logits_indices.extend(range(offset + n - rows, offset + n))
+        dev = self.device
+        metadata = PagedMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.cat(slots).to(dev),
+            block_tables=tables.to(dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            backend=self.backend,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions).to(dev),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sample_rows=sample_rows,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Float32 logits ``[len(logits_indices), vocab]`` for the sampled positions."""
+        out = self.model(
+            input_ids=inputs.input_ids[None],
+            position_ids=inputs.positions[None],
+            logits_to_keep=inputs.logits_indices,
+            specbatch_metadata=inputs.metadata,
+            use_cache=False,
+        )
+        return out.logits[0].float()

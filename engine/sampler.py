@@ -1,0 +1,154 @@
+"""From logits to tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+
+``target_probs`` gives the exact distribution a request samples from at one position; the
+speculative rejection sampler compares drafts against that same distribution, which is what
+makes speculation lossless. Each sample has its own ``torch.Generator`` when seeded, so a
+seeded request draws the same tokens alone or inside any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One position to sample: ``seq`` followed by ``extra`` (drafts already placed before it)."""
+
+    seq: Sequence
+    extra: list[int]
+
+
+def make_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Repetition (prompt + output), presence and frequency (output only) penalties, in place."""
+    for r, row in enumerate(rows):
+        params = row.seq.params
+        if not params.needs_penalties:
+            continue
+        seq = row.seq
+        device = logits.device
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids) | set(row.extra)), dtype=torch.long, device=device)
+            vals = logits[r, seen]
+            logits[r, seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
+        if params.presence_penalty or params.frequency_penalty:
+            out = seq.output_token_ids + row.extra
+            if out:
+                counts = torch.bincount(torch.tensor(out, device=device), minlength=logits.shape[1]).to(logits.dtype)
+                logits[r] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> None:
+    """Forbid EOS and stop tokens until a sample has ``min_tokens`` output tokens."""
+    for r, row in enumerate(rows):
+        params = row.seq.params
+        if params.min_tokens and row.seq.num_output_tokens + len(row.extra) < params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+            if banned:
+                logits[r, sorted(banned)] = float("-inf")
+
+
+def filter_and_normalise(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, then softmax: probabilities per row (fp32)."""
+    temps = torch.tensor([max(row.seq.params.temperature, 1e-5) for row in rows], device=logits.device)
+    logits = logits / temps[:, None]
+    top_ks = [row.seq.params.top_k for row in rows]
+    top_ps = [row.seq.params.top_p for row in rows]
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        k = torch.tensor([kk if kk > 0 else vocab for kk in top_ks], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= k[:, None]
+        probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        p = torch.tensor(top_ps, device=logits.device, dtype=probs_sorted.dtype)
+        # Keep the smallest prefix whose mass reaches p (the first token is always kept).
+        mass_before = probs_sorted.cumsum(-1) - probs_sorted
+        drop |= mass_before >= p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    min_ps = [row.seq.params.min_p for row in rows]
+    if any(m > 0 for m in min_ps):
+        m = torch.tensor(min_ps, device=logits.device, dtype=probs.dtype)
+        threshold = m[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` by the exponential-race trick (argmax p/E, E ~ Exp(1))."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return int((probs / noise).argmax())
+
+
+class Sampler:
+    def __init__(self, eos_ids: set[int], default_generator: torch.Generator) -> None:
+        self.eos_ids = eos_ids
+        self.default_generator = default_generator
+
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        return seq.generator if seq.generator is not None else self.default_generator
+
+    def processed_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Logits after penalties and min-token bans: what greedy takes the argmax of."""
+        if any(row.seq.params.needs_penalties or row.seq.params.min_tokens for row in rows):
+            logits = logits.clone()
+            apply_penalties(logits, rows)
+            apply_min_tokens(logits, rows, self.eos_ids)
+        return logits
+
+    def target_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The exact sampling distribution of each row (rows of greedy requests are one-hot)."""
+        processed = self.processed_logits(logits, rows)
+        probs = filter_and_normalise(processed, rows)
+        greedy = [r for r, row in enumerate(rows) if row.seq.params.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            one_hot = torch.zeros_like(probs[idx]).scatter_(-1, processed[idx].argmax(-1, keepdim=True), 1.0)
+            probs[idx] = one_hot
+        return probs
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+        """One token per row."""
+        processed = self.processed_logits(logits, rows)
+        tokens = processed.argmax(-1).tolist()
+        random_rows = [r for r, row in enumerate(rows) if not row.seq.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            probs = filter_and_normalise(processed[idx], [rows[r] for r in random_rows])
+            for j, r in enumerate(random_rows):
+                tokens[r] = draw(probs[j], self.generator_for(rows[r].seq))
+        return tokens
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: list[int], num: list[int | None]) -> list[dict[int, float] | None]:
+        """The model's log-probabilities of each sampled token and of its top ``num`` alternatives."""
+        wanted = [r for r, n in enumerate(num) if n is not None]
+        result: list[dict[int, float] | None] = [None] * len(tokens)
+        if not wanted:
+            return result
+        lp = torch.log_softmax(logits[wanted], dim=-1)
+        for j, r in enumerate(wanted):
+            entry = {tokens[r]: float(lp[j, tokens[r]])}
+            if num[r]:
+                top = lp[j].topk(num[r])
+                for value, token in zip(top.values.tolist(), top.indices.tolist()):
+                    entry.setdefault(token, value)
+            result[r] = entry
+        return result

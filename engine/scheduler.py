@@ -1,0 +1,174 @@
+"""The scheduler: one rule, vLLM v1's.
+
+Every sequence knows how many of its tokens are computed (``num_computed_tokens``) and how many
+it has (``num_tokens_with_spec``: prompt + output + proposed drafts). Each step hands out tokens
+under a budget (``max_num_batched_tokens``, ``max_num_seqs``) so computed catches up: running
+sequences first, then waiting ones in arrival order. That single rule yields mixed prefill and
+decode in one step, chunked prefill, prefix-cache hits (they start with tokens computed) and
+draft verification (drafts are scheduled tokens). When blocks run out, the most recently
+admitted running sequence is preempted and recomputed later; the waiting queue stays FIFO, so
+no request starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence, so it yields logits."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens_with_spec
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
+        seq.draft_probs = None
+        seq.status = SequenceStatus.WAITING
+        seq.request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
+        """Tokens to schedule for a running sequence; drafts past the budget are dropped."""
+        wanted = seq.num_tokens_with_spec - seq.num_computed_tokens
+        if wanted <= budget:
+            return wanted
+        if seq.draft_token_ids:
+            keep = max(0, budget - (seq.num_tokens - seq.num_computed_tokens))
+            seq.draft_token_ids = seq.draft_token_ids[:keep]
+            if seq.draft_probs is not None:
+                seq.draft_probs = seq.draft_probs[:keep]
+        return min(budget, seq.num_tokens_with_spec - seq.num_computed_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        scheduled_ids: set[int] = set()
+
+        # 1. Running sequences first, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._fit_drafts(seq, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not bm.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                if victim is seq:
+                    break
+                self._preempt(victim, out)
+            if not bm.can_allocate(seq, num_new):
+                if len(self.running) == 1:
+                    out.failed.append((seq, self._too_large(seq)))
+                    self.running.remove(seq)
+                    bm.free(seq)
+                else:
+                    self._preempt(seq, out)
+                continue
+            bm.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting sequences in FIFO order, unless this step had to preempt.
+        if out.preempted:
+            return out
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            leader = seq.request.seqs[0]
+            if seq is not leader and leader.num_computed_tokens < leader.num_prompt_tokens and not leader.is_finished:
+                # A sibling sample waits for the first sample's prompt, then shares its blocks.
+                skipped.append(self.waiting.popleft())
+                continue
+            if not seq.block_table and seq.num_computed_tokens == 0:
+                if seq is not leader and leader.block_table and not leader.is_finished:
+                    seq.num_computed_tokens = bm.share_prefix(leader, seq, seq.num_tokens)
+                else:
+                    seq.num_computed_tokens = bm.match_prefix(seq)
+                if seq.request.metrics.first_scheduled_time is None:
+                    seq.request.metrics.num_cached_tokens = max(
+                        seq.request.metrics.num_cached_tokens, seq.num_computed_tokens
+                    )
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_ever_fit(seq.num_tokens):
+                self.waiting.popleft()
+                bm.free(seq)
+                out.failed.append((seq, self._too_large(seq)))
+                continue
+            if not bm.can_allocate(seq, num_new):
+                if not self.running and not out.scheduled:
+                    # Nothing else holds blocks: the cache is simply too small for this chunk.
+                    self.waiting.popleft()
+                    bm.free(seq)
+                    out.failed.append((seq, self._too_large(seq)))
+                    continue
+                break  # FIFO: later arrivals never jump a blocked head
+            self.waiting.popleft()
+            bm.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        for seq in reversed(skipped):
+            self.waiting.appendleft(seq)
+        return out
+
+    def _too_large(self, seq: Sequence) -> str:
+        bm = self.block_manager
+        return (
+            f"request {seq.request.request_id} needs {bm.blocks_needed(seq.num_tokens_with_spec)} KV-cache blocks "
+            f"of {bm.block_size} tokens but the whole cache holds {bm.num_blocks}; raise kv_cache_memory_bytes"
+        )

@@ -1,0 +1,97 @@
+"""Per-request and per-sample state the scheduler and runner share.
+
+A ``Request`` is what a user submitted; it owns ``n`` ``Sequence``s (one per sample) that are
+scheduled independently. The scheduler's one rule reads two numbers off a sequence:
+``num_computed_tokens`` and ``num_tokens_with_spec`` (prompt + output + proposed drafts).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Number of leading blocks whose content is registered in the prefix cache.
+    num_hashed_blocks: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    # Incremental detokenisation state (used only when stop strings must be watched).
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # Speculation bookkeeping (adaptive k per sequence).
+    spec_k: int = 0
+    spec_alpha: float = 0.7
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def all_token_ids_with_spec(self) -> list[int]:
+        return self.token_ids + self.draft_token_ids if self.draft_token_ids else self.token_ids
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+    aborted: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
