@@ -14,9 +14,6 @@ from .config import broker_url_from_env, model_from_env, queue_name, visibility_
 FALLBACK_BROKER = "redis://127.0.0.1:6379/0"
 TASK_NAME = "specbatch.generate"
 
-app = Celery("specbatch", include=["worker.tasks"])
-
-
 def _settings(broker_url: str) -> dict:
     vt = visibility_timeout()
     default_queue = queue_name(model_from_env())
@@ -49,10 +46,22 @@ def _settings(broker_url: str) -> dict:
     )
 
 
+def make_app(broker_url: str | None = None, *, include_tasks: bool = True) -> Celery:
+    """A configured app. Producers (``Client``) make their own, bound to their broker, so
+    several clients in one process never share connection pools or a control mailbox."""
+    new = Celery("specbatch", include=["worker.tasks"] if include_tasks else [])
+    new.conf.update(_settings(broker_url or broker_url_from_env() or FALLBACK_BROKER))
+    return new
+
+
 def configure(broker_url: str | None = None) -> Celery:
-    """(Re)point the app at ``broker_url`` (env or fallback when None) before first use."""
-    app.conf.update(_settings(broker_url or broker_url_from_env() or FALLBACK_BROKER))
+    """(Re)point the module's app (the one workers and Flower use) before it connects."""
+    url = broker_url or broker_url_from_env() or FALLBACK_BROKER
+    if app.conf.get("broker_url") not in (None, url):
+        app.close()
+    app.conf.update(_settings(url))
     return app
 
 
-configure()
+#: The worker/Flower app: ``celery -A worker.app worker|flower``.
+app = make_app()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from kombu import Queue
 
-from .app import TASK_NAME, app, configure
+from .app import TASK_NAME, make_app
 from .config import Settings, queue_name
 from .embedded import ensure_broker_url
 from .formats import BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
@@ -51,8 +51,7 @@ class Client:
     ) -> None:
         self.settings = Settings.resolve(broker_url=broker_url, database_url=database_url, model=model, queue=queue)
         self.settings.broker_url = ensure_broker_url(self.settings.broker_url)
-        configure(self.settings.broker_url)
-        self.app = app
+        self.app = make_app(self.settings.broker_url, include_tasks=False)
         self.store = store or Store(self.settings.database_url)
 
     @property

@@ -180,6 +180,8 @@ def parse_line(text: str, line_no: int) -> Request | BadLine:
     if not isinstance(data, dict):
         return BadLine(line_no, f"expected a JSON object, got {type(data).__name__}")
     custom_id = data.get("custom_id") if isinstance(data.get("custom_id"), str) else None
+    if custom_id is None and "body" not in data and "url" not in data:
+        custom_id = f"line-{line_no}"  # what a good plain line would have been called
     try:
         if "body" in data or "url" in data:
             line = BatchLine.model_validate(data)

@@ -195,9 +195,9 @@ class Store:
                 conn.execute(
                     update(Job)
                     .where(Job.id.in_(chunk), Job.status.in_((FAILED, CANCELLED)))
-                    .values(status=QUEUED, error=None, error_type=None, finish_reason=None, finished_at=None)
+                    .values(status=QUEUED, error=None, error_type=None, finish_reason=None, finished_at=None,
+                            enqueued_at=now)
                 )
-                conn.execute(update(Job).where(Job.id.in_(chunk)).values(enqueued_at=now))
             bad = [
                 dict(r, batch_id=batch_id, status=FAILED, error_type=INVALID_INPUT, enqueued_at=now, finished_at=now)
                 for r in invalid_rows
