@@ -121,6 +121,17 @@ def test_duplicate_messages_in_flight_yield_one_result(sqlite_url, redis_url, un
         time.sleep(1.0)  # let the second copies be consumed
         jobs = client.store.jobs(sub.batch_id)
         assert all(j.attempts == 1 for j in jobs)
+
+        # Cooperative cancel of a running job: DB status, then the engine aborts it.
+        long_id = client.submit(prompt="cancel me", params={"max_tokens": 2000, "ignore_eos": True},
+                                model=tiny_model)
+        wait_until(lambda: client.store.get_job(long_id).status == "running", timeout=30)
+        t0 = time.monotonic()
+        assert client.cancel(long_id) == [long_id]
+        wait_until(lambda: f"[{long_id}] succeeded in" in (tmp_path / "worker.log").read_text(), timeout=20)
+        assert time.monotonic() - t0 < 5.0  # aborted, not run to 2000 tokens
+        job = client.store.get_job(long_id)
+        assert job.status == "cancelled" and job.output_text is None
     finally:
         worker.stop()
     log = (tmp_path / "worker.log").read_text()
