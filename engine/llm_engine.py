@@ -50,6 +50,8 @@ class LLMEngine:
             from engine.spec.speculator import Speculator
 
             self.speculator = Speculator(config.speculative_config, self)
+        # Called as hook(scheduler_output, step_inputs, logits) after each forward (tests, debugging).
+        self.logits_hook = None
         self.stats: dict[str, int] = {"steps": 0, "scheduled_tokens": 0, "sampled_tokens": 0, "max_batch_size": 0}
 
     # ------------------------------------------------------------- submission
@@ -193,6 +195,8 @@ class LLMEngine:
             for request in requests_in_step.values():
                 self._fail(request, f"model forward failed: {type(exc).__name__}: {exc}", changed)
             return list(changed.values())
+        if self.logits_hook is not None:
+            self.logits_hook(sched, inputs, logits)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         if self.speculator is not None:

@@ -3,6 +3,11 @@
 Each operation has a plain torch reference (the CPU path, and the definition of what it
 computes) and, where Triton runs, a Triton kernel. ``kernel_backend`` picks one for a device;
 ``SPECBATCH_KERNEL_BACKEND=torch|triton`` overrides the choice.
+
+Dispatchers: ``paged_attention``, ``write_kv``, ``copy_blocks``, ``gather_kv`` and
+``rejection_sample``, each taking ``backend=``. The Triton kernels live in ``kernels._triton_*``
+and are imported on first use only, so ``TRITON_INTERPRET=1`` (the CPU interpreter, used by
+the tests) takes effect as long as it is set before the first Triton call.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import torch
 
 from kernels.cache_ops import copy_blocks_torch, gather_kv_torch, write_kv_torch
 from kernels.paged_attention import paged_attention_torch
+from kernels.sampling import rejection_sample_torch
 
 BACKENDS = ("torch", "triton")
+TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
 
 
 def kernel_backend(device: torch.device | str) -> str:
@@ -27,17 +34,30 @@ def kernel_backend(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
+def _check(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
 def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
-    """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``)."""
+    """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``).
+
+    The Triton-only hints (``max_query_len``, ``max_context_len``, ``kv_split_len``) may be
+    passed on any backend; the torch reference ignores them.
+    """
+    _check(backend)
     if backend == "triton":
         from kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(*args, **kwargs)
+    for hint in TRITON_HINTS:
+        kwargs.pop(hint, None)
     return paged_attention_torch(*args, **kwargs)
 
 
 def write_kv(*args, backend: str = "torch", **kwargs) -> None:
     """Dispatch to the chosen implementation of the KV-cache write (see ``kernels.cache_ops``)."""
+    _check(backend)
     if backend == "triton":
         from kernels.cache_ops import write_kv_triton
 
@@ -45,13 +65,47 @@ def write_kv(*args, backend: str = "torch", **kwargs) -> None:
     return write_kv_torch(*args, **kwargs)
 
 
+def copy_blocks(*args, backend: str = "torch", **kwargs) -> None:
+    """Dispatch to the chosen implementation of the block copy (see ``kernels.cache_ops``)."""
+    _check(backend)
+    if backend == "triton":
+        from kernels.cache_ops import copy_blocks_triton
+
+        return copy_blocks_triton(*args, **kwargs)
+    return copy_blocks_torch(*args, **kwargs)
+
+
+def gather_kv(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+    """Dispatch to the chosen implementation of the KV gather (see ``kernels.cache_ops``)."""
+    _check(backend)
+    if backend == "triton":
+        from kernels.cache_ops import gather_kv_triton
+
+        return gather_kv_triton(*args, **kwargs)
+    return gather_kv_torch(*args, **kwargs)
+
+
+def rejection_sample(*args, backend: str = "torch", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch the rejection sampler's accept/resample step (see ``kernels.sampling``)."""
+    _check(backend)
+    if backend == "triton":
+        from kernels.sampling import rejection_sample_triton
+
+        return rejection_sample_triton(*args, **kwargs)
+    return rejection_sample_torch(*args, **kwargs)
+
+
 __all__ = [
     "BACKENDS",
+    "copy_blocks",
     "copy_blocks_torch",
+    "gather_kv",
     "gather_kv_torch",
     "kernel_backend",
     "paged_attention",
     "paged_attention_torch",
+    "rejection_sample",
+    "rejection_sample_torch",
     "write_kv",
     "write_kv_torch",
 ]

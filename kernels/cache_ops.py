@@ -47,3 +47,38 @@ def gather_kv_torch(
     num_blocks = (length + block_size - 1) // block_size
     blocks = cache.index_select(0, block_table[:num_blocks].long())
     return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+# Triton versions: same semantics as the references above. The kernels live in
+# ``kernels._triton_cache``, imported on first use (see that module's docstring).
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton ``write_kv_torch``: one program per token, padding slots (-1) skipped in-kernel."""
+    from kernels import _triton_cache
+
+    _triton_cache.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def copy_blocks_triton(caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+    """Triton ``copy_blocks_torch``; one launch per cache tensor.
+
+    Unlike the reference (which reads every source before writing), a destination that is also
+    another pair's source gives an undefined result; copy-on-write never produces one.
+    """
+    from kernels import _triton_cache
+
+    _triton_cache.copy_blocks(caches, src_to_dst)
+
+
+def gather_kv_triton(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Triton ``gather_kv_torch``: one program per token position."""
+    from kernels import _triton_cache
+
+    return _triton_cache.gather_kv(cache, block_table, length)

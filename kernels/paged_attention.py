@@ -22,10 +22,16 @@ import torch.nn.functional as F
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``[B, num_blocks * block_size, kv_heads, head_dim]`` from each row's first blocks."""
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, H, D]
-    b, nb, bs = blocks.shape[:3]
-    return blocks.reshape(b, nb * bs, *cache.shape[2:])
+    """``[B, kv_heads, num_blocks * block_size, head_dim]`` from each row's first blocks.
+
+    ``index_select`` on the flattened cache copies whole blocks; advanced indexing is ~100x slower
+    on the CPU.
+    """
+    b = block_tables.shape[0]
+    n, bs, h, d = cache.shape
+    idx = block_tables[:, :num_blocks].reshape(-1).long()
+    blocks = cache.view(n, -1).index_select(0, idx)
+    return blocks.view(b, num_blocks * bs, h, d).transpose(1, 2)
 
 
 def _allowed(
@@ -39,19 +45,22 @@ def _allowed(
     return mask
 
 
-def _attend(
+def _attend_grouped(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q ``[B, q, H, D]``, k/v ``[B, L, Hkv, D]``, mask ``[B, q, L]`` → ``[B, q, H, D]``."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    """Grouped-query attention without repeating K/V.
+
+    q ``[B, q, H, D]``, k/v ``[B, Hkv, L, D]``, mask ``[B, q, L]`` → ``[B, q, H, D]``. The ``H / Hkv``
+    query heads that share a KV head are folded into the query-length axis, so one SDPA call per
+    KV head serves them all (query head h reads KV head ``h // (H / Hkv)``, as transformers' repeat_kv).
+    """
+    b, n, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qg = q.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
+    m = mask[:, None, None].expand(b, 1, g, n, mask.shape[-1]).reshape(b, 1, g * n, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
+    return out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
 
 
 def paged_attention_torch(
@@ -86,8 +95,8 @@ def paged_attention_torch(
         v = _gather(v_cache, tables, nb).to(query.dtype)
         rows = query_start_loc.to(query.device).index_select(0, idx).long()
         q = query.index_select(0, rows)[:, None]
-        mask = _allowed((ctx - 1)[:, None], k.shape[1], ctx, sliding_window)
-        out.index_copy_(0, rows, _attend(q, k, v, mask, scale)[:, 0])
+        mask = _allowed((ctx - 1)[:, None], k.shape[2], ctx, sliding_window)
+        out.index_copy_(0, rows, _attend_grouped(q, k, v, mask, scale)[:, 0])
     for i, n in enumerate(q_lens):
         if n <= 1:
             continue
@@ -99,6 +108,54 @@ def paged_attention_torch(
         q = query[starts[i] : starts[i + 1]][None]
         q_pos = torch.arange(ctx_len - n, ctx_len, device=query.device)[None]
         ctx = torch.tensor([ctx_len], device=query.device)
-        mask = _allowed(q_pos, k.shape[1], ctx, sliding_window)
-        out[starts[i] : starts[i + 1]] = _attend(q, k, v, mask, scale)[0]
+        mask = _allowed(q_pos, k.shape[2], ctx, sliding_window)
+        out[starts[i] : starts[i + 1]] = _attend_grouped(q, k, v, mask, scale)[0]
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    kv_split_len: int | None = None,
+) -> torch.Tensor:
+    """Triton paged attention with the semantics of ``paged_attention_torch``.
+
+    A step whose sequences all have one query token runs the split-KV decode kernel; any other
+    step runs the varlen kernel. ``max_query_len``/``max_context_len`` are host-side maxima of
+    the step; pass them (the scheduler knows them) to spare a device-to-host sync each.
+    ``kv_split_len`` forces the decode split size (tokens per split; default: a heuristic that
+    fills the GPU's SMs).
+
+    All index tensors are read through pointers: any integer dtype works, but they must be on
+    ``query``'s device; non-contiguous ones are copied first.
+    """
+    from kernels import _triton_attention as ta  # lazy: see the module docstring
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    batch = context_lens.shape[0]
+    if query.shape[0] == 0 or batch == 0:
+        return out
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    window = int(sliding_window) if sliding_window is not None else 0
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    args = (query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, out)
+    if max_query_len <= 1:
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())
+        ta.decode(*args, max_context_len=max_context_len, split_len=kv_split_len)
+    else:
+        ta.varlen(*args, max_query_len=max_query_len)
     return out

@@ -1,0 +1,138 @@
+"""Triton kernels for the KV-cache operations (see ``kernels.cache_ops`` for the semantics).
+
+Imported lazily, like ``kernels._triton_attention``, so that ``TRITON_INTERPRET`` is read when
+the Triton path is first used rather than at ``import kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_offsets(stride_h, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Offsets and mask of one token's ``[kv_heads, head_dim]`` row (head_dim contiguous)."""
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    return offs_h[:, None] * stride_h + offs_d[None, :], mask
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    BLOCK_SIZE: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One program per new token: copy its K and V rows into the cache slot (skip slot -1)."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    src_k, mask = _row_offsets(stride_kh, H, H_PAD, D, D_PAD)
+    src_v, _ = _row_offsets(stride_vh, H, H_PAD, D, D_PAD)
+    dst_k, _ = _row_offsets(stride_kch, H, H_PAD, D, D_PAD)
+    dst_v, _ = _row_offsets(stride_vch, H, H_PAD, D, D_PAD)
+    k = tl.load(key_ptr + token.to(tl.int64) * stride_kt + src_k, mask=mask)
+    v = tl.load(value_ptr + token.to(tl.int64) * stride_vt + src_v, mask=mask)
+    k_row = k_cache_ptr + block * stride_kcb + offset * stride_kcs
+    v_row = v_cache_ptr + block * stride_vcb + offset * stride_vcs
+    tl.store(k_row + dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_row + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_blocks_kernel(cache_ptr, src_to_dst_ptr, stride_block, stride_pair, BLOCK: tl.constexpr):
+    """Program (pair, chunk): copy ``BLOCK`` elements of block ``src`` onto block ``dst``."""
+    pair = tl.program_id(0)
+    chunk = tl.program_id(1)
+    src = tl.load(src_to_dst_ptr + pair * stride_pair).to(tl.int64)
+    dst = tl.load(src_to_dst_ptr + pair * stride_pair + 1).to(tl.int64)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < stride_block
+    data = tl.load(cache_ptr + src * stride_block + offs, mask=mask)
+    tl.store(cache_ptr + dst * stride_block + offs, data, mask=mask)
+
+
+@triton.jit
+def _gather_kv_kernel(
+    cache_ptr, block_table_ptr, out_ptr,
+    stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One program per token position: copy its cached row into the contiguous output."""
+    token = tl.program_id(0)
+    block = tl.load(block_table_ptr + token // BLOCK_SIZE).to(tl.int64)
+    src, mask = _row_offsets(stride_ch, H, H_PAD, D, D_PAD)
+    dst, _ = _row_offsets(stride_oh, H, H_PAD, D, D_PAD)
+    row = tl.load(cache_ptr + block * stride_cb + (token % BLOCK_SIZE) * stride_cs + src, mask=mask)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + dst, row, mask=mask)
+
+
+# ---------------------------------------------------------------- host side
+
+
+def _row_consts(cache: torch.Tensor) -> dict:
+    num_heads, head_dim = cache.shape[2], cache.shape[3]
+    return dict(
+        BLOCK_SIZE=cache.shape[1],
+        H=num_heads,
+        H_PAD=triton.next_power_of_2(num_heads),
+        D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+def _last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError("KV tensors need a contiguous last (head_dim) dimension")
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    _last_dim_contiguous(k_cache, v_cache)
+    if key.shape[0] == 0:
+        return
+    _write_kv_kernel[(key.shape[0],)](
+        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        **_row_consts(k_cache),
+    )
+
+
+def copy_blocks(caches: list[torch.Tensor], src_to_dst: torch.Tensor, chunk: int = 1024) -> None:
+    if src_to_dst.numel() == 0:
+        return
+    src_to_dst = src_to_dst.contiguous()
+    for cache in caches:
+        if not cache[0].is_contiguous():
+            raise ValueError("copy_blocks needs each cache block to be contiguous")
+        block_numel = cache[0].numel()
+        grid = (src_to_dst.shape[0], triton.cdiv(block_numel, chunk))
+        _copy_blocks_kernel[grid](cache, src_to_dst, cache.stride(0), src_to_dst.stride(0), BLOCK=chunk)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    _last_dim_contiguous(cache)
+    out = torch.empty(length, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    if length == 0:
+        return out
+    _gather_kv_kernel[(length,)](
+        cache, block_table.contiguous(), out,
+        cache.stride(0), cache.stride(1), cache.stride(2), out.stride(0), out.stride(1),
+        **_row_consts(cache),
+    )
+    return out

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random models (fast) and the real SmolLM2-135M-Instruct (where it proves something)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model_hub import resolve_model
+from engine.testing import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A 2-layer random Llama whose greedy choices are far from ties (sharp logits)."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), logit_scale=8.0))
+
+
+@pytest.fixture(scope="session")
+def flat_model_dir(tmp_path_factory) -> str:
+    """A tiny model with a flat output distribution, for sampling tests."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("flat"), seed=1, logit_scale=0.5))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    return resolve_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smol_llm(smollm2_dir):
+    from engine import LLM
+
+    return LLM(smollm2_dir, device="cpu", max_num_seqs=64)
