@@ -29,10 +29,14 @@ def start_worker(client, settings, tmp_path, seqs=32) -> LocalWorker:
     worker = LocalWorker(settings, concurrency=seqs, max_num_seqs=seqs, loglevel="info",
                          log_path=str(tmp_path / "worker.log"))
     deadline = time.monotonic() + 120
-    while not client.workers_consuming(settings.queue_name, timeout=0.5):
-        assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "worker did not come up"
-        time.sleep(0.3)
+    try:
+        while not client.workers_consuming(settings.queue_name, timeout=0.5):
+            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "worker did not come up"
+            time.sleep(0.3)
+    except BaseException:
+        worker.stop(timeout=5)
+        raise
     return worker
 
 
