@@ -9,7 +9,7 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Queue
 
-from .config import broker_url_from_env, model_from_env, queue_name, visibility_timeout
+from .config import env, broker_url_from_env, model_from_env, queue_name, visibility_timeout
 
 FALLBACK_BROKER = "redis://127.0.0.1:6379/0"
 TASK_NAME = "specbatch.generate"
@@ -43,6 +43,9 @@ def _settings(broker_url: str) -> dict:
         task_queues=[Queue(default_queue, routing_key=default_queue)],
         task_create_missing_queues=True,
         worker_hijack_root_logger=False,
+        # Under an orchestrator (REMAP_SIGTERM=SIGQUIT), finish running jobs for this long
+        # before a cold shutdown; keep it under the grace period (k8s: 30 s by default).
+        worker_soft_shutdown_timeout=float(env("SOFT_SHUTDOWN_TIMEOUT", "0")),
     )
 
 
