@@ -40,7 +40,7 @@ def workload(n: int) -> list[list[dict]]:
             for i in range(n)]
 
 
-def bench_in_process(model: str, convs, params: dict, max_num_seqs: int) -> tuple[float, int]:
+def bench_in_process(model: str, convs, params: dict, max_num_seqs: int) -> tuple[float, int, int]:
     from engine import LLM, SamplingParams
 
     llm = LLM(model, device="cpu", max_num_seqs=max_num_seqs)
@@ -48,7 +48,7 @@ def bench_in_process(model: str, convs, params: dict, max_num_seqs: int) -> tupl
     t0 = time.perf_counter()
     outs = llm.chat(convs, SamplingParams(**params), use_tqdm=False)
     dt = time.perf_counter() - t0
-    return dt, sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return dt, sum(len(c.token_ids) for o in outs for c in o.outputs), sum(o.metrics.num_cached_tokens for o in outs)
 
 
 def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str | None, db_url: str,
@@ -131,16 +131,18 @@ def main() -> None:
         model = resolve_model(args.model)
         convs = workload(args.jobs)
         params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-        dt, tokens = bench_in_process(model, convs, params, args.max_num_seqs)
+        dt, tokens, cached = bench_in_process(model, convs, params, args.max_num_seqs)
         inproc = tokens / dt
-        print(f"in-process LLM.chat : {args.jobs} jobs, {tokens} tokens in {dt:.2f} s = {inproc:.1f} tok/s")
+        print(f"in-process LLM.chat : {args.jobs} jobs, {tokens} tokens in {dt:.2f} s = {inproc:.1f} tok/s "
+              f"(prefix-cached prompt tokens {cached})")
         q = bench_queue(model, convs, params, args.max_num_seqs, args.broker_url, db_url, workdir)
         queued = q["tokens"] / q["window_s"]
         s = q["summary"]
         print(f"specbatch run       : {args.jobs} jobs, {q['tokens']} tokens in {q['window_s']:.2f} s "
               f"(first enqueue -> last result) = {queued:.1f} tok/s; CLI wall {q['cli_wall_s']:.1f} s incl. start-up")
         print(f"  queue wait p50 {s['queue_wait_p50'] * 1e3:.0f} ms, TTFT p50 {s['ttft_p50'] * 1e3:.0f} ms "
-              f"p95 {s['ttft_p95'] * 1e3:.0f} ms, TPOT p50 {s['tpot_p50'] * 1e3:.1f} ms, max batch {s['max_batch_size']}")
+              f"p95 {s['ttft_p95'] * 1e3:.0f} ms, TPOT p50 {s['tpot_p50'] * 1e3:.1f} ms, max batch {s['max_batch_size']}, "
+              f"prefix-cached prompt tokens {s['cached_tokens']}")
         print(f"ratio queue / in-process: {queued / inproc:.3f}x (target >= 0.9x)")
     if not args.skip_submit:
         r = bench_submit(args.submit_jobs, args.broker_url, db_url)
