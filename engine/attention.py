@@ -29,6 +29,9 @@ class PagedMetadata:
     context_lens: torch.Tensor  # [B] int32, tokens in cache per sequence after this step
     query_start_loc: torch.Tensor  # [B + 1] int32
     backend: str = "torch"
+    # Host-side maxima, so a GPU kernel launch never reads them back from the device.
+    max_query_len: int = 0
+    max_context_len: int = 0
 
 
 def paged_attention_forward(
@@ -62,6 +65,8 @@ def paged_attention_forward(
         scale,
         getattr(module, "sliding_window", None),
         backend=meta.backend,
+        max_query_len=meta.max_query_len,
+        max_context_len=meta.max_context_len,
     )
     return out[None], None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -12,6 +13,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+_call_counter = itertools.count()
 
 
 class LLM:
@@ -19,6 +21,13 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (e.g. one sharing loaded weights with another)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
 
     @property
     def tokenizer(self):
@@ -72,8 +81,9 @@ class LLM:
                 )
         engine = self.engine
         # Validate everything before anything runs, so a bad prompt costs no work.
+        call = next(_call_counter)
         requests = [
-            engine.make_request(**item, params=params, request_id=f"gen-{id(self)}-{i}")
+            engine.make_request(**item, params=params, request_id=f"gen-{call}-{i}")
             for i, (item, params) in enumerate(zip(items, params_list))
         ]
         order = {request.request_id: i for i, request in enumerate(requests)}

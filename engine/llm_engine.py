@@ -7,6 +7,7 @@ other threads, so bad input fails in the caller, at submission, never inside the
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -24,6 +25,8 @@ from engine.sampler import SampleRow, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -192,6 +195,7 @@ class LLMEngine:
         try:
             logits = self.runner.forward(inputs)
         except Exception as exc:  # a failed forward fails the requests in it, not the loop
+            log.exception("forward failed for %d requests", len(requests_in_step))
             for request in requests_in_step.values():
                 self._fail(request, f"model forward failed: {type(exc).__name__}: {exc}", changed)
             return list(changed.values())
@@ -208,6 +212,7 @@ class LLMEngine:
             try:
                 self._append_tokens(seq, tokens)
             except Exception as exc:
+                log.exception("post-processing %s failed", request.request_id)
                 self._fail(request, f"post-processing failed: {type(exc).__name__}: {exc}", changed)
                 continue
             changed[request.request_id] = request

@@ -112,6 +112,8 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             backend=self.backend,
+            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_context_len=max(context_lens),
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from engine.model_hub import resolve_model
-from engine.testing import make_tiny_model
+# Triton reads TRITON_INTERPRET when a kernel is defined: set it before anything imports one,
+# so every test on the CPU runs Triton kernels through the interpreter.
+if os.environ.get("SPECBATCH_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from engine.model_hub import resolve_model  # noqa: E402
+from engine.testing import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
