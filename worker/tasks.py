@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from celery.worker.control import control_command
+from sqlalchemy.exc import OperationalError
 
 from . import runtime
 from .app import TASK_NAME, app
@@ -40,8 +41,11 @@ def generate(self, job_id: str, payload: dict[str, Any]) -> str:
     rt = runtime.get()
     store = runtime.store()
     worker = self.request.hostname or runtime.worker_name(rt.label)
-    claim = store.claim(job_id, worker=worker, device=rt.label, lease_s=lease_seconds(),
-                        max_attempts=max_attempts(), payload=payload)
+    try:
+        claim = store.claim(job_id, worker=worker, device=rt.label, lease_s=lease_seconds(),
+                            max_attempts=max_attempts(), payload=payload)
+    except OperationalError as exc:  # database unreachable: try later rather than drop the message
+        raise self.retry(exc=exc, countdown=5, max_retries=60)
     if not claim.ok:
         log.info("job %s skipped: %s", job_id, claim.reason)
         return f"skipped: {claim.reason}"

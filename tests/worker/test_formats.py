@@ -96,3 +96,23 @@ def test_output_lines():
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "hey"
     bad = output_line(_job(status="failed", error="malformed JSON", error_type="invalid_input", line_no=9))
     assert bad["response"] is None and bad["error"] == {"code": "invalid_input", "message": "line 9: malformed JSON"}
+
+
+from hypothesis import given, settings, strategies as st
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+        ["custom_id", "url", "body", "prompt", "messages", "max_tokens", "role", "content", "n", "x"]), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=40), json_values.map(json.dumps)))
+def test_any_line_parses_or_names_its_line(text):
+    """Whatever a line holds, parsing never raises: a request, or an error naming the line."""
+    item = parse_line(text, 12)
+    assert isinstance(item, (Request, BadLine))
+    if isinstance(item, BadLine):
+        assert item.message.startswith("line 12: ")

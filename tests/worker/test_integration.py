@@ -125,6 +125,9 @@ def test_duplicate_messages_in_flight_yield_one_result(sqlite_url, redis_url, un
         time.sleep(1.0)  # let the second copies be consumed
         jobs = client.store.jobs(sub.batch_id)
         assert all(j.attempts == 1 for j in jobs)
+        lines = list(client.iter_results(sub.batch_id, timeout=5))
+        assert sorted(l["custom_id"] for l in lines) == sorted(f"d{i}" for i in range(10))
+        assert client.results(sub.batch_id) == [l for l in sorted(lines, key=lambda l: l["specbatch"]["line"])]
 
         # Cooperative cancel of a running job: DB status, then the engine aborts it.
         long_id = client.submit(prompt="cancel me", params={"max_tokens": 2000, "ignore_eos": True},
