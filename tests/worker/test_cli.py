@@ -1,0 +1,77 @@
+"""``specbatch run`` end to end on a tiny model: a mixed good/bad file gives one output line per
+input line and a non-zero exit; rerunning the same file skips what succeeded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+def chat(cid, content, **body):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": content}], **body}})
+
+
+def run_cli(args, env, cwd):
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_run_mixed_file(tmp_path, redis_url, unique_queue):
+    from engine.testing import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "tiny"))
+    lines = [
+        chat("ok-1", "hello", max_tokens=8, temperature=0),
+        "{this is not json",
+        chat("ok-2", "world", max_tokens=8, temperature=0.5, seed=3),
+        chat("bad-field", "x", max_tokens=8, frobnicate=True),
+        json.dumps({"custom_id": "ok-3", "url": "/v1/completions", "body": {"prompt": "abc", "max_tokens": 5, "n": 2}}),
+        chat("too-long", "y" * 3000, max_tokens=4),
+        chat("bad-param", "z", max_tokens=0),
+        '{"prompt": "plain line", "max_tokens": 6}',
+        chat("ok-1", "duplicate id", max_tokens=8),
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue,
+               SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"))
+    env.pop("DATABASE_URL", None)
+    args = ["--broker-url", redis_url, "--database-url", f"sqlite:///{tmp_path / 'sb.db'}",
+            "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "8"]
+    res = run_cli(args, env, tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(rows) == len(lines)
+    by_line = {r["specbatch"]["line"]: r for r in rows}
+    assert sorted(by_line) == list(range(1, len(lines) + 1))
+    for n in (1, 3, 5, 8):
+        assert by_line[n]["error"] is None and by_line[n]["response"]["status_code"] == 200, by_line[n]
+    assert len(by_line[5]["response"]["body"]["choices"]) == 2
+    assert by_line[5]["response"]["body"]["object"] == "text_completion"
+    assert by_line[8]["custom_id"] == "line-8"
+    expected = {2: "malformed JSON", 4: "frobnicate: unknown field", 6: "over the model's context",
+                7: "max_tokens", 9: "duplicate custom_id"}
+    for n, needle in expected.items():
+        err = by_line[n]["error"]
+        assert by_line[n]["response"] is None and err["message"].startswith(f"line {n}:") and needle in err["message"], err
+    assert "5 line(s) without a result" in res.stderr
+    assert "TTFT p50" in res.stderr
+
+    # Rerun: nothing succeeded is generated again; the output still has every line.
+    first = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows if r["error"] is None}
+    res2 = run_cli(args, env, tmp_path)
+    assert res2.returncode == 1
+    assert "enqueued 0, already succeeded 4" in " ".join(res2.stderr.split())
+    rows2 = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(rows2) == len(lines)
+    assert {r["custom_id"]: r["response"]["body"]["choices"] for r in rows2 if r["error"] is None} == first

@@ -1,0 +1,164 @@
+"""Store idempotency on SQLite and PostgreSQL: upserts, attempt fencing, no second result."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from sqlalchemy import inspect
+
+from worker import migrate
+from worker.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from worker.store import INVALID_INPUT, Store, job_row
+
+
+def _store(url: str) -> Store:
+    return Store(url, auto_upgrade=True)
+
+
+def test_migrations_upgrade_empty_database(db_url):
+    store = Store(db_url, auto_upgrade=False)
+    assert migrate.current_revision(store.engine) is None
+    store.upgrade()
+    assert migrate.is_current(store.engine)
+    tables = set(inspect(store.engine).get_table_names())
+    assert {"batches", "jobs", "alembic_version"} <= tables
+    store.upgrade()  # idempotent
+    store.dispose()
+
+
+def test_sqlite_is_upgraded_automatically_and_uses_wal(sqlite_url):
+    store = Store(sqlite_url)
+    assert migrate.is_current(store.engine)
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+
+
+def test_upsert_same_job_id_twice_keeps_one_row(db_url):
+    store = _store(db_url)
+    row = job_row(model="m", prompt="hi", id="job-1")
+    store.upsert_jobs([row])
+    store.upsert_jobs([dict(row, prompt="changed")])
+    job = store.get_job("job-1")
+    assert job.prompt == "hi" and job.status == QUEUED
+
+
+def test_claim_fencing_refuses_older_attempt(db_url):
+    store = _store(db_url)
+    store.add_job(dict(model="m", prompt="hi", id="j"))
+    c1 = store.claim("j", worker="w1", device="cpu", lease_s=0.0, max_attempts=5)
+    assert c1.attempt == 1
+    # A redelivered copy after the lease expired takes over as attempt 2 ...
+    c2 = store.claim("j", worker="w2", device="cpu", lease_s=0.0, max_attempts=5)
+    assert c2.attempt == 2
+    # ... so attempt 1 can neither heartbeat nor write its result.
+    assert not store.heartbeat("j", 1)
+    assert not store.finish("j", 1, {"status": SUCCEEDED, "output_text": "old"})
+    assert store.finish("j", 2, {"status": SUCCEEDED, "output_text": "new", "finished_at": time.time()})
+    job = store.get_job("j")
+    assert (job.status, job.output_text, job.attempts, job.worker) == (SUCCEEDED, "new", 2, "w2")
+    # A succeeded job is never claimed again.
+    c3 = store.claim("j", worker="w3", device="cpu", lease_s=0.0, max_attempts=5)
+    assert not c3.ok and "succeeded" in c3.reason
+
+
+def test_duplicate_while_live_is_skipped(db_url):
+    store = _store(db_url)
+    store.add_job(dict(model="m", prompt="hi", id="j"))
+    assert store.claim("j", worker="w1", device="cpu", lease_s=60, max_attempts=5).attempt == 1
+    dup = store.claim("j", worker="w2", device="cpu", lease_s=60, max_attempts=5)
+    assert not dup.ok and "live" in dup.reason
+
+
+def test_concurrent_claims_exactly_one_wins(db_url):
+    store = _store(db_url)
+    store.add_job(dict(model="m", prompt="hi", id="j"))
+    results = []
+    barrier = threading.Barrier(8)
+
+    def go(i):
+        barrier.wait()
+        results.append(store.claim("j", worker=f"w{i}", device="cpu", lease_s=60, max_attempts=5))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(c.ok for c in results) == 1
+    assert store.get_job("j").attempts == 1
+
+
+def test_attempts_exhausted_fails_job(db_url):
+    store = _store(db_url)
+    store.add_job(dict(model="m", prompt="hi", id="j"))
+    for _ in range(2):
+        assert store.claim("j", worker="w", device="cpu", lease_s=0.0, max_attempts=2).ok
+    c = store.claim("j", worker="w", device="cpu", lease_s=0.0, max_attempts=2)
+    assert not c.ok
+    assert store.get_job("j").status == FAILED
+
+
+def test_claim_recreates_missing_row_from_payload(db_url):
+    store = _store(db_url)
+    payload = dict(id="lost", model="m", prompt="hi", endpoint="completions", params={})
+    assert store.claim("lost", worker="w", device="cpu", lease_s=60, max_attempts=3, payload=payload).attempt == 1
+
+
+def test_prepare_batch_rerun_skips_succeeded_and_retries_failed(db_url):
+    store = _store(db_url)
+    rows = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i + 1) for i in range(4)]
+    bad = [job_row(model="m", custom_id=None, line_no=5, error="line 5: bad json")]
+    p1 = store.prepare_batch(name="b", input_file="f", model="m", rows=rows, invalid_rows=bad)
+    assert len(p1.to_enqueue) == 4 and p1.invalid == 1
+    counts = store.batch_counts(p1.batch_id)
+    assert counts[QUEUED] == 4 and counts[FAILED] == 1
+    jobs = {j.custom_id: j for j in store.jobs(p1.batch_id)}
+    # c0 succeeds, c1 fails, c2 is cancelled, c3 stays queued
+    a = store.claim(jobs["c0"].id, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
+    store.finish(jobs["c0"].id, a, {"status": SUCCEEDED})
+    a = store.claim(jobs["c1"].id, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
+    store.fail(jobs["c1"].id, a, "boom")
+    store.cancel(job_ids=[jobs["c2"].id])
+    # Rerun the same file with fresh ids: matched by custom_id.
+    rows2 = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i + 1) for i in range(4)]
+    p2 = store.prepare_batch(name="b", input_file="f", model="m", rows=rows2, invalid_rows=bad)
+    assert p2.batch_id == p1.batch_id
+    assert p2.skipped_succeeded == 1 and p2.skipped_failed == 2
+    assert [r["custom_id"] for r in p2.to_enqueue] == ["c3"]
+    assert p2.to_enqueue[0]["id"] == jobs["c3"].id
+    # Invalid lines are replaced, not duplicated.
+    assert len([j for j in store.jobs(p1.batch_id) if j.error_type == INVALID_INPUT]) == 1
+    p3 = store.prepare_batch(name="b", input_file="f", model="m", rows=rows2, retry_failed=True)
+    assert sorted(r["custom_id"] for r in p3.to_enqueue) == ["c1", "c2", "c3"]
+    assert store.get_job(jobs["c1"].id).status == QUEUED
+    assert store.get_job(jobs["c2"].id).status == QUEUED
+    assert len(store.jobs(p1.batch_id)) == 4
+
+
+def test_cancel_marks_queued_and_running(db_url):
+    store = _store(db_url)
+    store.add_job(dict(model="m", prompt="a", id="q"))
+    store.add_job(dict(model="m", prompt="b", id="r"))
+    a = store.claim("r", worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
+    cancelled, running = store.cancel(job_ids=["q", "r"])
+    assert sorted(cancelled) == ["q", "r"] and running == ["r"]
+    assert not store.heartbeat("r", a)  # tells the worker to abort
+    assert not store.finish("r", a, {"status": SUCCEEDED})
+    assert store.get_job("r").status == CANCELLED
+    assert not store.claim("q", worker="w", device="cpu", lease_s=60, max_attempts=3).ok
+
+
+def test_refresh_batch_counts_and_finish(db_url):
+    store = _store(db_url)
+    rows = [job_row(model="m", prompt="p", custom_id="c")]
+    p = store.prepare_batch(name=None, input_file=None, model="m", rows=rows)
+    jid = p.to_enqueue[0]["id"]
+    a = store.claim(jid, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
+    assert store.refresh_batch(p.batch_id)[RUNNING] == 1
+    assert store.get_batch(p.batch_id).finished_at is None
+    store.finish(jid, a, {"status": SUCCEEDED})
+    store.refresh_batch(p.batch_id)
+    b = store.get_batch(p.batch_id)
+    assert b.num_succeeded == 1 and b.num_total == 1 and b.finished_at is not None

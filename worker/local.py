@@ -1,0 +1,61 @@
+"""Start a worker subprocess for ``specbatch run`` when nobody consumes the model's queue.
+
+A subprocess (not a thread) because a Celery worker wants its own main thread and signal
+handlers; it reaches the same broker (embedded or not) and database through the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from .config import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class LocalWorker:
+    def __init__(self, settings: Settings, *, concurrency: int | None = None, max_num_seqs: int | None = None,
+                 loglevel: str = "warning", log_path: str | None = None, extra_env: dict[str, str] | None = None):
+        self.settings = settings
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        env["REDIS_URL"] = settings.broker_url or ""
+        env["SPECBATCH_BROKER_URL"] = settings.broker_url or ""
+        env["SPECBATCH_DATABASE_URL"] = settings.database_url
+        env["SPECBATCH_MODEL"] = settings.model
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        cmd = [sys.executable, "-m", "worker.cli", "worker", "--device", settings.device,
+               "--model", settings.model, "--queue", settings.queue_name, "--loglevel", loglevel,
+               # a unique node name so this worker never clashes with a long-running one
+               "--name", f"local-{uuid.uuid4().hex[:6]}"]
+        if concurrency:
+            cmd += ["--concurrency", str(concurrency)]
+        if max_num_seqs:
+            cmd += ["--max-num-seqs", str(max_num_seqs)]
+        self.log_path = log_path
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log, cwd=os.getcwd())
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Warm shutdown (SIGTERM: finish running tasks), then kill after ``timeout``."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while self.alive and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.alive:
+                self.proc.kill()
+        rc = self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return rc

@@ -1,0 +1,148 @@
+"""One engine per worker process, loaded once when the worker starts.
+
+Under ``-P threads`` Celery never sends ``worker_process_init``, so the model is loaded on
+``worker_init`` (before the consumer takes messages); every task thread then hands its
+request to the process's single ``EngineLoop`` and waits, and each request joins the running
+batch at the loop's next step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import signals
+
+from .config import database_url_from_env, env, model_from_env
+
+log = logging.getLogger(__name__)
+
+
+def pin_device(device: str) -> tuple[str, str]:
+    """Pin this process to ``device`` *before* torch initialises CUDA.
+
+    ``cuda:1`` sets ``CUDA_VISIBLE_DEVICES=1`` so the engine sees that GPU as ``cuda:0``;
+    returns (the device the engine should use, the worker-name prefix, e.g. ``cuda1``).
+    """
+    device = (device or "cpu").strip().lower()
+    if device == "cpu":
+        return "cpu", "cpu"
+    if device == "cuda":
+        device = "cuda:0"
+    if device.startswith("cuda:") and device[5:].isdigit():
+        index = device[5:]
+        os.environ["CUDA_VISIBLE_DEVICES"] = index
+        return "cuda:0", f"cuda{index}"
+    raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+
+
+def worker_name(device: str, host: str | None = None) -> str:
+    prefix = "cpu" if device == "cpu" else device.replace(":", "")
+    return f"{prefix}@{host or socket.gethostname()}"
+
+
+def engine_kwargs_from_env() -> dict[str, Any]:
+    """Engine knobs from ``SPECBATCH_*`` (set by ``specbatch worker`` flags)."""
+    kwargs: dict[str, Any] = {"max_num_seqs": int(env("MAX_NUM_SEQS", "64"))}
+    if env("MAX_NUM_BATCHED_TOKENS"):
+        kwargs["max_num_batched_tokens"] = int(env("MAX_NUM_BATCHED_TOKENS"))
+    if env("KV_CACHE_BYTES"):
+        kwargs["kv_cache_memory_bytes"] = int(env("KV_CACHE_BYTES"))
+    if env("DTYPE"):
+        kwargs["dtype"] = env("DTYPE")
+    if env("ENGINE_KWARGS"):  # escape hatch: a JSON object of extra LLM(...) keyword arguments
+        kwargs.update(json.loads(env("ENGINE_KWARGS")))
+    return kwargs
+
+
+@dataclass
+class Runtime:
+    """The process's loaded model and running loop, plus the jobs it is generating."""
+
+    model: str
+    device: str  # what the engine uses ("cpu", "cuda:0")
+    label: str  # what the store records ("cpu", "cuda:1")
+    llm: Any
+    loop: Any
+    inflight: dict[str, str] = field(default_factory=dict)  # job id -> engine request id
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def abort_jobs(self, job_ids: list[str]) -> list[str]:
+        """Abort the given jobs if this process is generating them (cooperative cancel)."""
+        aborted = []
+        for job_id in job_ids:
+            request_id = self.inflight.get(job_id)
+            if request_id is not None:
+                self.loop.abort(request_id)
+                aborted.append(job_id)
+        return aborted
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+_store = None
+
+
+def start(model: str | None = None, device: str | None = None, **engine_kwargs: Any) -> Runtime:
+    """Load the model and start its loop (once per process)."""
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        model = model or model_from_env()
+        label = device or env("DEVICE", "cpu")
+        engine_device, _ = pin_device(label)  # idempotent; `specbatch worker` already did it
+        from engine import LLM, EngineLoop
+        from engine.model_hub import resolve_model
+
+        kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
+        log.info("loading %s on %s (%s)", model, label, kwargs)
+        llm = LLM(resolve_model(model), device=engine_device, **kwargs)
+        loop = EngineLoop(llm.engine).start()
+        _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop)
+        return _runtime
+
+
+def get() -> Runtime:
+    """The process's runtime, loading it now if the worker did not (e.g. ``-P solo`` tests)."""
+    return _runtime or start()
+
+
+def current() -> Runtime | None:
+    return _runtime
+
+
+def stop(drain_timeout: float = 30.0) -> None:
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            _runtime.loop.shutdown(drain_timeout=drain_timeout)
+            _runtime = None
+
+
+def store():
+    """The process's Store (thread-safe; each call opens its own short transaction)."""
+    global _store
+    with _lock:
+        if _store is None:
+            from .store import Store
+
+            _store = Store(database_url_from_env())
+        return _store
+
+
+@signals.worker_init.connect
+def _load_at_worker_start(**_: Any) -> None:
+    if env("LOAD_AT_START", "1") == "1":
+        store()
+        start()
+
+
+@signals.worker_shutdown.connect
+def _drain_at_worker_stop(**_: Any) -> None:
+    stop(drain_timeout=float(env("DRAIN_TIMEOUT", "30")))

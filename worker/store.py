@@ -1,0 +1,412 @@
+"""The store: jobs and batches in SQL, written idempotently.
+
+Delivery is at least once (``acks_late`` + Redis redelivery), so every write here is safe to
+repeat: unique job ids and ``(batch_id, custom_id)``, dialect upserts, and *attempt fencing*:
+a worker claims a job by bumping ``attempts`` with a compare-and-swap and every later write
+names that attempt, so a stale or duplicate copy can never overwrite a newer result.
+Every public method opens its own short transaction, so one ``Store`` is safe to share
+across threads (Sessions never are).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from sqlalchemy import Engine, create_engine, delete, event, func, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import migrate
+from .config import env
+from .models import CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, Batch, Job
+
+INVALID_INPUT = "invalid_input"  # error_type of a bad input line (never enqueued)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def normalize_url(url: str) -> str:
+    """Use psycopg 3 for plain ``postgresql://`` / ``postgres://`` URLs."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://") :]
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
+
+
+def make_engine(url: str) -> Engine:
+    """An engine with SQLite made fit for many writer threads (WAL, busy timeout, and
+    ``BEGIN IMMEDIATE`` so a read-then-write never dies on a lock upgrade)."""
+    url = normalize_url(url)
+    if make_url(url).get_backend_name() != "sqlite":
+        return create_engine(url, pool_size=4, max_overflow=16, pool_timeout=120, pool_pre_ping=True)
+    engine = create_engine(url, pool_size=4, max_overflow=16, pool_timeout=120)
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_conn, _record) -> None:  # pragma: no cover - trivial
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves below
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 30000")
+        cur.execute("PRAGMA foreign_keys = ON")
+        if make_url(url).database not in (None, "", ":memory:"):
+            cur.execute("PRAGMA journal_mode = WAL")
+            cur.execute("PRAGMA synchronous = NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _sqlite_begin(conn) -> None:  # pragma: no cover - trivial
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+@dataclass(slots=True)
+class Claim:
+    """What ``Store.claim`` decided: run it as ``attempt``, or skip it and why."""
+
+    attempt: int | None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.attempt is not None
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    batch_id: str
+    to_enqueue: list[dict[str, Any]] = field(default_factory=list)
+    skipped_succeeded: int = 0
+    skipped_failed: int = 0
+    invalid: int = 0
+
+
+JOB_PAYLOAD_FIELDS = ("id", "model", "endpoint", "prompt", "prompt_token_ids_in", "messages", "params",
+                      "batch_id", "custom_id", "line_no")
+
+
+class Store:
+    def __init__(self, url: str, *, auto_upgrade: bool | None = None) -> None:
+        self.url = normalize_url(url)
+        self.engine = make_engine(self.url)
+        self.Session = sessionmaker(self.engine, expire_on_commit=False)
+        self.dialect = self.engine.dialect.name
+        if auto_upgrade is None:
+            auto_upgrade = self.dialect == "sqlite" or env("AUTO_MIGRATE", "0") == "1"
+        if auto_upgrade and not migrate.is_current(self.engine):
+            self.upgrade()
+
+    # ---- schema ------------------------------------------------------------------------
+    def upgrade(self) -> None:
+        migrate.upgrade(self.engine)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def _insert(self, table):
+        """The dialect's INSERT, which has ``on_conflict_do_update/nothing``."""
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        elif self.dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert
+        else:  # pragma: no cover
+            raise NotImplementedError(f"upserts are implemented for sqlite and postgresql, not {self.dialect}")
+        return insert(table)
+
+    # ---- producer side -----------------------------------------------------------------
+    def upsert_jobs(self, rows: Sequence[dict[str, Any]], *, conn=None) -> int:
+        """Insert jobs; a row whose id or (batch_id, custom_id) exists is left alone."""
+        if not rows:
+            return 0
+        stmt = self._insert(Job).on_conflict_do_nothing()
+        if conn is not None:
+            return conn.execute(stmt, list(rows)).rowcount
+        with self.engine.begin() as c:
+            return c.execute(stmt, list(rows)).rowcount
+
+    def add_job(self, row: dict[str, Any]) -> str:
+        row = job_row(**row)
+        self.upsert_jobs([row])
+        return row["id"]
+
+    def prepare_batch(
+        self,
+        *,
+        name: str | None,
+        input_file: str | None,
+        model: str,
+        rows: Sequence[dict[str, Any]],
+        invalid_rows: Sequence[dict[str, Any]] = (),
+        params: dict[str, Any] | None = None,
+        retry_failed: bool = False,
+    ) -> PreparedBatch:
+        """Create (or reopen, by ``name``) a batch and write all its rows in ONE transaction.
+
+        Reopening skips what already succeeded (matched by custom_id), keeps failures unless
+        ``retry_failed``, and re-enqueues what is still queued or running (a duplicate message
+        is harmless). Bad input lines are stored as failed jobs so exports have every line.
+        """
+        now = time.time()
+        with self.engine.begin() as conn:
+            batch_id = None
+            if name is not None:
+                batch_id = conn.execute(select(Batch.id).where(Batch.name == name)).scalar()
+            if batch_id is None:
+                batch_id = new_id()
+                conn.execute(
+                    self._insert(Batch).values(
+                        id=batch_id, name=name, input_file=input_file, model=model, params=params or {},
+                        num_total=0, num_queued=0, num_running=0, num_succeeded=0, num_failed=0,
+                        num_cancelled=0, created_at=now,
+                    )
+                )
+            else:
+                conn.execute(update(Batch).where(Batch.id == batch_id).values(finished_at=None, input_file=input_file))
+            prepared = PreparedBatch(batch_id=batch_id)
+            conn.execute(delete(Job).where(Job.batch_id == batch_id, Job.error_type == INVALID_INPUT))
+            existing = {
+                r.custom_id: r
+                for r in conn.execute(select(Job.id, Job.custom_id, Job.status).where(Job.batch_id == batch_id))
+            }
+            new_rows: list[dict[str, Any]] = []
+            requeue_ids: list[str] = []
+            for row in rows:
+                old = existing.get(row["custom_id"])
+                if old is None:
+                    r = dict(row, batch_id=batch_id, enqueued_at=now, status=QUEUED)
+                    new_rows.append(r)
+                    prepared.to_enqueue.append(r)
+                elif old.status == SUCCEEDED:
+                    prepared.skipped_succeeded += 1
+                elif old.status in (FAILED, CANCELLED) and not retry_failed:
+                    prepared.skipped_failed += 1
+                else:
+                    requeue_ids.append(old.id)
+                    prepared.to_enqueue.append(dict(row, id=old.id, batch_id=batch_id, enqueued_at=now))
+            self.upsert_jobs(new_rows, conn=conn)
+            for chunk in _chunks(requeue_ids, 500):
+                # Retried failures go back to queued; queued/running rows keep their status
+                # (a running attempt stays fenced by its attempt number).
+                conn.execute(
+                    update(Job)
+                    .where(Job.id.in_(chunk), Job.status.in_((FAILED, CANCELLED)))
+                    .values(status=QUEUED, error=None, error_type=None, finish_reason=None, finished_at=None,
+                            enqueued_at=now)
+                )
+            bad = [
+                dict(r, batch_id=batch_id, status=FAILED, error_type=INVALID_INPUT, enqueued_at=now, finished_at=now)
+                for r in invalid_rows
+            ]
+            self.upsert_jobs(bad, conn=conn)
+            prepared.invalid = len(bad)
+        self.refresh_batch(batch_id)
+        return prepared
+
+    def requeue_stale(self, batch_id: str, lease_s: float) -> list[dict[str, Any]]:
+        """Running jobs whose worker stopped heartbeating: their payloads, to publish again."""
+        cutoff = time.time() - lease_s
+        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS]
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*cols).where(Job.batch_id == batch_id, Job.status == RUNNING, Job.heartbeat_at < cutoff)
+            ).mappings().all()
+        return [dict(r) for r in rows]
+
+    # ---- worker side -------------------------------------------------------------------
+    def claim(
+        self, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
+        payload: dict[str, Any] | None = None,
+    ) -> Claim:
+        """Start a new attempt of ``job_id``, or say why not (done, live elsewhere, …).
+
+        Compare-and-swap on (status, attempts): of two copies racing, exactly one wins.
+        """
+        for _ in range(5):
+            now = time.time()
+            with self.engine.begin() as conn:
+                row = conn.execute(
+                    select(Job.status, Job.attempts, Job.heartbeat_at).where(Job.id == job_id)
+                ).first()
+                if row is None:
+                    if payload is None:
+                        return Claim(None, "unknown job")
+                    # The message carries the payload: recreate a row lost with its database.
+                    self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
+                    continue
+                status, attempts, heartbeat = row
+                if status in TERMINAL:
+                    return Claim(None, f"already {status}")
+                if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
+                    return Claim(None, "running in another live attempt")
+                if attempts >= max_attempts:
+                    conn.execute(
+                        update(Job)
+                        .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
+                        .values(status=FAILED, finished_at=now, error_type="attempts_exhausted",
+                                error=f"gave up after {attempts} attempts (worker lost mid-job?)")
+                    )
+                    return Claim(None, "attempts exhausted")
+                res = conn.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
+                    .values(status=RUNNING, attempts=attempts + 1, worker=worker, device=device,
+                            started_at=now, heartbeat_at=now, error=None, error_type=None,
+                            queue_wait_s=now - Job.enqueued_at)
+                )
+                if res.rowcount == 1:
+                    return Claim(attempts + 1)
+        return Claim(None, "lost the race to another attempt")
+
+    def heartbeat(self, job_id: str, attempt: int) -> bool:
+        """Refresh the lease; False when this attempt no longer owns the job (cancelled, or a
+        newer attempt took over), which tells the caller to abort its generation."""
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING)
+                .values(heartbeat_at=time.time())
+            )
+            return res.rowcount == 1
+
+    def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
+        """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING)
+                .values(**values)
+            )
+            return res.rowcount == 1
+
+    def fail(self, job_id: str, attempt: int, error: str, error_type: str = "generation_error") -> bool:
+        return self.finish(
+            job_id, attempt, {"status": FAILED, "error": error, "error_type": error_type, "finished_at": time.time()}
+        )
+
+    # ---- control -----------------------------------------------------------------------
+    def cancel(self, *, job_ids: Iterable[str] = (), batch_id: str | None = None) -> tuple[list[str], list[str]]:
+        """Mark unfinished jobs cancelled; returns (cancelled ids, ids that were running)."""
+        now = time.time()
+        cond = [Job.status.in_((QUEUED, RUNNING))]
+        job_ids = list(job_ids)
+        if batch_id is not None:
+            cond.append(Job.batch_id == batch_id)
+        else:
+            cond.append(Job.id.in_(job_ids))
+        with self.engine.begin() as conn:
+            rows = conn.execute(select(Job.id, Job.status).where(*cond)).all()
+            ids = [r.id for r in rows]
+            for chunk in _chunks(ids, 500):
+                conn.execute(
+                    update(Job).where(Job.id.in_(chunk), Job.status.in_((QUEUED, RUNNING)))
+                    .values(status=CANCELLED, finished_at=now, finish_reason="abort",
+                            error="cancelled", error_type="cancelled")
+                )
+        if batch_id is not None:
+            self.refresh_batch(batch_id)
+        return ids, [r.id for r in rows if r.status == RUNNING]
+
+    # ---- reads -------------------------------------------------------------------------
+    def get_job(self, job_id: str) -> Job | None:
+        with self.Session() as s:
+            return s.get(Job, job_id)
+
+    def jobs(self, batch_id: str, *, statuses: Sequence[str] | None = None,
+             finished_after: float | None = None) -> list[Job]:
+        """A batch's jobs in input-line order."""
+        q = select(Job).where(Job.batch_id == batch_id)
+        if statuses:
+            q = q.where(Job.status.in_(statuses))
+        if finished_after is not None:
+            q = q.where(Job.finished_at > finished_after)
+        with self.Session() as s:
+            return list(s.scalars(q.order_by(Job.line_no, Job.custom_id)))
+
+    def get_batch(self, name_or_id: str) -> Batch | None:
+        with self.Session() as s:
+            b = s.get(Batch, name_or_id)
+            return b or s.scalars(select(Batch).where(Batch.name == name_or_id)).first()
+
+    def batches(self, limit: int = 20) -> list[Batch]:
+        with self.Session() as s:
+            return list(s.scalars(select(Batch).order_by(Batch.created_at.desc()).limit(limit)))
+
+    def batch_counts(self, batch_id: str) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status)
+            ).all()
+        counts = dict.fromkeys(STATUSES, 0)
+        counts.update({s: n for s, n in rows})
+        return counts
+
+    def batch_progress(self, batch_id: str) -> dict[str, float]:
+        """Counts plus output tokens and the generation window, for a live progress bar."""
+        counts = self.batch_counts(batch_id)
+        with self.engine.connect() as conn:
+            tokens, first, last = conn.execute(
+                select(func.coalesce(func.sum(Job.num_output_tokens), 0), func.min(Job.started_at),
+                       func.max(Job.finished_at))
+                .where(Job.batch_id == batch_id, Job.status == SUCCEEDED)
+            ).one()
+        return {**counts, "output_tokens": tokens or 0, "first_started": first, "last_finished": last}
+
+    def refresh_batch(self, batch_id: str) -> dict[str, int]:
+        """Store the batch's counts by status (and finished_at once nothing is left)."""
+        counts = self.batch_counts(batch_id)
+        values: dict[str, Any] = {f"num_{s}": n for s, n in counts.items()}
+        values["num_total"] = sum(counts.values())
+        with self.engine.begin() as conn:
+            if counts[QUEUED] == 0 and counts[RUNNING] == 0:
+                values["finished_at"] = func.coalesce(Batch.finished_at, time.time())
+            conn.execute(update(Batch).where(Batch.id == batch_id).values(**values))
+        return counts
+
+
+def job_row(
+    *,
+    model: str,
+    id: str | None = None,
+    prompt: str | None = None,
+    prompt_token_ids_in: list[int] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    params: dict[str, Any] | None = None,
+    endpoint: str | None = None,
+    batch_id: str | None = None,
+    custom_id: str | None = None,
+    line_no: int | None = None,
+    status: str = QUEUED,
+    enqueued_at: float | None = None,
+    error: str | None = None,
+    error_type: str | None = None,
+    finished_at: float | None = None,
+) -> dict[str, Any]:
+    """A complete ``jobs`` row as a dict (every row of a bulk insert has the same keys)."""
+    return {
+        "id": id or new_id(),
+        "batch_id": batch_id,
+        "custom_id": custom_id,
+        "line_no": line_no,
+        "model": model,
+        "endpoint": endpoint or ("chat" if messages is not None else "completions"),
+        "prompt": prompt,
+        "prompt_token_ids_in": prompt_token_ids_in,
+        "messages": messages,
+        "params": params or {},
+        "status": status,
+        "attempts": 0,
+        "enqueued_at": enqueued_at if enqueued_at is not None else time.time(),
+        "error": error,
+        "error_type": error_type,
+        "finished_at": finished_at,
+    }
+
+
+def _chunks(items: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]

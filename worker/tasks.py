@@ -1,0 +1,152 @@
+"""The one Celery task: generate a job on this process's engine, idempotently.
+
+Check the store first (a job that already succeeded is never generated again), claim a new
+attempt, submit to the running loop, heartbeat while waiting (which is also how a cancel is
+noticed), then write the result fenced by the attempt number. The message is acked only
+after that write (``acks_late``), so a crash before it means redelivery, not loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery.worker.control import control_command
+from sqlalchemy.exc import OperationalError
+
+from . import runtime
+from .app import TASK_NAME, app
+from .config import env, max_job_seconds, model_slug
+from .models import FAILED, SUCCEEDED
+
+log = logging.getLogger(__name__)
+
+
+def lease_seconds() -> float:
+    """A running attempt whose heartbeat is older than this is presumed dead."""
+    return float(env("LEASE_SECONDS", "60"))
+
+
+def heartbeat_seconds() -> float:
+    return float(env("HEARTBEAT_SECONDS", "2"))
+
+
+def max_attempts() -> int:
+    return int(env("MAX_ATTEMPTS", "3"))
+
+
+@app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
+def generate(self, job_id: str, payload: dict[str, Any]) -> str:
+    rt = runtime.get()
+    store = runtime.store()
+    worker = self.request.hostname or runtime.worker_name(rt.label)
+    try:
+        claim = store.claim(job_id, worker=worker, device=rt.label, lease_s=lease_seconds(),
+                            max_attempts=max_attempts(), payload=payload)
+    except OperationalError as exc:  # database unreachable: try later rather than drop the message
+        raise self.retry(exc=exc, countdown=5, max_retries=60)
+    if not claim.ok:
+        log.info("job %s skipped: %s", job_id, claim.reason)
+        return f"skipped: {claim.reason}"
+    attempt = claim.attempt
+    if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
+        store.fail(job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model")
+        return "failed"
+    try:
+        return run_claimed(rt, store, job_id, attempt, payload)
+    except Exception as exc:  # never leave a claimed job 'running' behind a swallowed error
+        log.exception("job %s attempt %s crashed", job_id, attempt)
+        store.fail(job_id, attempt, f"worker error: {exc!r}", "worker_error")
+        return "failed"
+
+
+def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: dict[str, Any]) -> str:
+    request_id = f"{job_id}#{attempt}"
+    prompt = payload.get("prompt")
+    if prompt is None:
+        prompt = payload.get("prompt_token_ids_in")
+    if not rt.loop.running:
+        raise RuntimeError(f"engine loop is not running: {rt.loop.error!r}")
+    try:
+        handle = rt.loop.submit(prompt, messages=payload.get("messages"), params=payload.get("params") or {},
+                                request_id=request_id)
+    except ValueError as exc:  # bad input: fail this job only, never retry it
+        store.fail(job_id, attempt, str(exc), "invalid_request")
+        return "failed"
+    rt.inflight[job_id] = request_id
+    deadline = time.time() + max_job_seconds()
+    aborted_because: str | None = None
+    try:
+        while True:
+            try:
+                out = handle.result(timeout=heartbeat_seconds())
+                break
+            except TimeoutError:
+                if aborted_because is None:
+                    if not store.heartbeat(job_id, attempt):
+                        aborted_because = "cancelled or superseded"
+                        rt.loop.abort(request_id)
+                    elif time.time() > deadline:
+                        aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
+                        rt.loop.abort(request_id)
+                elif not rt.loop.running:
+                    raise RuntimeError("engine loop stopped while waiting")
+    finally:
+        rt.inflight.pop(job_id, None)
+    values = result_values(out)
+    if aborted_because is not None and values["status"] == SUCCEEDED:
+        values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
+    elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
+        values.update(status=FAILED, error="aborted", error_type="aborted")
+    if not store.finish(job_id, attempt, values):
+        log.info("job %s attempt %s result refused (cancelled or superseded)", job_id, attempt)
+        return "fenced"
+    return values["status"]
+
+
+def result_values(out) -> dict[str, Any]:
+    """Store columns from a finished ``RequestOutput``: text, tokens, timings, counts."""
+    m = out.metrics
+    first = out.outputs[0] if out.outputs else None
+    finished = m.finished_time or m.last_token_time or time.time()
+    if first is None:
+        error = out.error or "no output"
+    else:
+        error = out.error or ("generation error" if first.finish_reason == "error" else None)
+    gen_time = finished - m.arrival_time if m.arrival_time else None
+    values: dict[str, Any] = {
+        "status": FAILED if error else SUCCEEDED,
+        "error": error,
+        "error_type": "generation_error" if error else None,
+        "output_text": first.text if first else None,
+        "output_token_ids": list(first.token_ids) if first else None,
+        "outputs": (
+            [{"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in out.outputs]
+            if len(out.outputs) > 1 else None
+        ),
+        "finish_reason": first.finish_reason if first else "error",
+        "first_scheduled_at": m.first_scheduled_time,
+        "first_token_at": m.first_token_time,
+        "finished_at": finished,
+        "ttft_s": m.ttft,
+        "tpot_s": m.tpot,
+        "tokens_per_s": (m.num_output_tokens / gen_time) if gen_time and gen_time > 0 else None,
+        "num_prompt_tokens": m.num_prompt_tokens or len(out.prompt_token_ids),
+        "num_cached_tokens": m.num_cached_tokens,
+        "num_output_tokens": m.num_output_tokens,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "num_preemptions": m.num_preemptions,
+        "num_steps": m.num_steps,
+        "max_batch_size": m.max_batch_size,
+    }
+    return values
+
+
+@control_command(args=[("job_ids", list)], signature="<job_id> [job_id …]")
+def specbatch_cancel(state, job_ids: list[str] | None = None) -> dict[str, Any]:
+    """Abort these jobs in this worker's engine loop if it is generating them."""
+    rt = runtime.current()
+    aborted = rt.abort_jobs(list(job_ids or [])) if rt is not None else []
+    return {"ok": aborted}
