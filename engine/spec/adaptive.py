@@ -69,6 +69,7 @@ class StepCost:
         self.fixed = np.zeros((3, 5))
         self.online = np.zeros((3, 5))
         self.single: float | None = None  # EMA of one-token steps
+        self._coefficients: tuple[float, float, float] | None = None  # cached until the next observation
 
     @staticmethod
     def _outer(n: float, b: float, seconds: float) -> np.ndarray:
@@ -76,6 +77,7 @@ class StepCost:
         return np.concatenate([np.outer(x, x), (x * seconds)[:, None], np.full((3, 1), seconds * seconds)], axis=1)
 
     def observe(self, n: int, batch: int, seconds: float, calibration: bool = False) -> None:
+        self._coefficients = None
         if n == 1:
             self.single = seconds if self.single is None or calibration else 0.8 * self.single + 0.2 * seconds
             return
@@ -90,6 +92,11 @@ class StepCost:
 
     def coefficients(self) -> tuple[float, float, float]:
         """``(a, b, s)``: non-negative least squares, solved exactly over the 7 active sets."""
+        if self._coefficients is None:
+            self._coefficients = self._solve()
+        return self._coefficients
+
+    def _solve(self) -> tuple[float, float, float]:
         m = self.fixed + self.online
         if m[0, 0] <= 0:
             return 0.0, 0.0, 0.0
