@@ -31,10 +31,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
+    sys.path.pop(0)  # bench/queue.py and bench/kernels.py must not shadow `queue` and `kernels`
 sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
 
 # Peak HBM bandwidth in TB/s by device-name substring (first match wins; order matters).
 PEAK_TBPS = [

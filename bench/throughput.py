@@ -16,7 +16,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path.pop(0)  # bench/queue.py must not shadow the standard library's queue
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
@@ -104,7 +107,10 @@ def main() -> None:
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--batch1-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     path = resolve_model(args.model)
     llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
