@@ -55,9 +55,14 @@ def _client(ctx: click.Context, **kw):
 @click.option("--max-num-seqs", type=int, default=None, help="Engine batch size of a local worker.")
 @click.option("--local-worker/--no-local-worker", default=True, help="Start a worker here if none consumes the queue.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many seconds.")
+@click.option("--speculative", default=None, envvar="SPECBATCH_SPECULATIVE",
+              help="Speculative decoding METHOD[:K]: ngram, suffix or draft; K an integer or auto.")
+@click.option("--draft-model", default=None, envvar="SPECBATCH_DRAFT_MODEL", help="Draft model for --speculative draft.")
 @click.pass_context
-def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency, max_num_seqs, local_worker, timeout):
+def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency, max_num_seqs, local_worker, timeout,
+        speculative, draft_model):
     """Validate FILE, enqueue every line, follow progress, write the output file."""
+    _speculation_env(speculative, draft_model)  # read by a local worker started below
     from .validate import token_counter
 
     client = _client(ctx, model=model)
@@ -192,9 +197,13 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, custom_id, wait_s)
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--name", default=None, help="Node name (default <device>@<host>).")
 @click.option("--loglevel", default="info")
+@click.option("--speculative", default=None, envvar="SPECBATCH_SPECULATIVE",
+              help="Speculative decoding METHOD[:K]: ngram, suffix or draft; K an integer or auto.")
+@click.option("--draft-model", default=None, envvar="SPECBATCH_DRAFT_MODEL", help="Draft model for --speculative draft.")
 @click.pass_context
-def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel):
+def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
+    _speculation_env(speculative, draft_model)
     from .runtime import pin_device, worker_name
 
     device = device or env("DEVICE", "cpu")
@@ -218,6 +227,17 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel)
     argv = ["worker", "-P", "threads", "-c", str(concurrency or seqs), "-Q", settings.queue_name, "-n", node,
             "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
     app.worker_main(argv)
+
+
+def _speculation_env(speculative: str | None, draft_model: str | None) -> None:
+    """Hand the speculation flags to the engine runtime (this process or a local worker)."""
+    from .runtime import speculative_config
+
+    if speculative:
+        speculative_config(speculative, draft_model)  # fail fast on a malformed value
+        os.environ["SPECBATCH_SPECULATIVE"] = speculative
+    if draft_model:
+        os.environ["SPECBATCH_DRAFT_MODEL"] = draft_model
 
 
 # ---- status / export / cancel / db -----------------------------------------------------

@@ -55,9 +55,24 @@ def engine_kwargs_from_env() -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = int(env("KV_CACHE_BYTES"))
     if env("DTYPE"):
         kwargs["dtype"] = env("DTYPE")
+    if env("SPECULATIVE"):
+        kwargs["speculative_config"] = speculative_config(env("SPECULATIVE"), env("DRAFT_MODEL"))
     if env("ENGINE_KWARGS"):  # escape hatch: a JSON object of extra LLM(...) keyword arguments
         kwargs.update(json.loads(env("ENGINE_KWARGS")))
     return kwargs
+
+
+def speculative_config(spec: str, draft_model: str | None = None) -> dict[str, Any]:
+    """``METHOD[:K]`` (``ngram``, ``suffix``, ``draft``; K an integer or ``auto``) as engine settings."""
+    method, _, k = spec.partition(":")
+    config: dict[str, Any] = {"method": method.strip(), "num_speculative_tokens": "auto"}
+    if k and k != "auto":
+        if not k.isdigit():
+            raise ValueError(f"speculative: K must be an integer or 'auto', got {k!r}")
+        config["num_speculative_tokens"] = int(k)
+    if draft_model:
+        config["draft_model"] = draft_model
+    return config
 
 
 @dataclass

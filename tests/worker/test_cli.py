@@ -75,3 +75,27 @@ def test_run_mixed_file(tmp_path, redis_url, unique_queue):
     rows2 = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(rows2) == len(lines)
     assert {r["custom_id"]: r["response"]["body"]["choices"] for r in rows2 if r["error"] is None} == first
+
+
+def test_run_with_speculation_records_drafts(tmp_path, redis_url, unique_queue):
+    """``--speculative ngram:4`` reaches the local worker's engine; drafts are counted per job."""
+    from engine.testing import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "tiny"))
+    # A random tiny model falls into loops quickly: prompt lookup has plenty to propose.
+    lines = [chat(f"s-{i}", "abcabcabc " * 4, max_tokens=48, temperature=0, ignore_eos=True) for i in range(4)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue,
+               SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"))
+    env.pop("DATABASE_URL", None)
+    args = ["--broker-url", redis_url, "--database-url", f"sqlite:///{tmp_path / 'sb.db'}",
+            "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "4", "--speculative", "ngram:4"]
+    res = run_cli(args, env, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert all(r["error"] is None for r in rows)
+    assert sum(r["specbatch"]["num_draft_tokens"] for r in rows) > 0
+    assert sum(r["specbatch"]["num_accepted_tokens"] for r in rows) > 0
+    assert "draft acceptance" in res.stdout + res.stderr
