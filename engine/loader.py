@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from engine.attention import ATTN_IMPLEMENTATION
+from engine.cpu_linear import can_pack, pack_linears
 from engine.model_hub import resolve_model
 
 
@@ -18,7 +19,10 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, trust_remot
     path = resolve_model(model)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return hf_model.to(device).eval().requires_grad_(False)
+    hf_model = hf_model.to(device).eval().requires_grad_(False)
+    if can_pack(device, dtype):
+        pack_linears(hf_model)
+    return hf_model
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
