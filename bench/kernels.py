@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.dry
+    print("note: hf-paged reproduces transformers' paged|sdpa decode data path (its PagedAttentionCache "
+          "cannot be driven standalone); its flash-attn fast path is not run")
     if not cuda:
         if not torch.cuda.is_available():
             print("no GPU found: dry mode (tiny shapes, Triton under TRITON_INTERPRET=1)")
