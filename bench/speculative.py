@@ -17,7 +17,6 @@ Every figure is measured in this run; ratios are what to read (the machine is sh
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -124,22 +123,39 @@ def section_grounded(base: LLM, hf, args) -> None:
           f"specbatch no spec / HF generate {rates['nospec'] / rates['hf']:.2f}x")
 
 
-def perturbed_copy(model, sigma: float, seed: int):
-    draft = copy.deepcopy(model)
+def fresh_copy(base: LLM):
+    """The target's weights loaded again as plain modules (the engine's copy holds packed linears)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = base.engine.config
+    return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=cfg.dtype).eval()
+
+
+def packed(model):
+    """Pack the draft's linears as the engine packs the target's, so c compares like with like."""
+    from engine.cpu_linear import can_pack, pack_linears
+
+    if can_pack(torch.device("cpu"), next(model.parameters()).dtype):
+        pack_linears(model)
+    return model
+
+
+def perturbed_copy(base: LLM, sigma: float, seed: int):
+    draft = fresh_copy(base)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * p.std() * sigma)
-    return draft
+    return packed(draft)
 
 
-def truncated_copy(model, layers: int):
-    draft = copy.deepcopy(model)
+def truncated_copy(base: LLM, layers: int):
+    draft = fresh_copy(base)
     draft.model.layers = draft.model.layers[:layers]
     draft.config.num_hidden_layers = layers
     if getattr(draft.config, "layer_types", None):
         draft.config.layer_types = draft.config.layer_types[:layers]
-    return draft
+    return packed(draft)
 
 
 def section_draft(base: LLM, args) -> None:
@@ -152,9 +168,9 @@ def section_draft(base: LLM, args) -> None:
     target = base.engine.model
     drafts = [("the target itself", target)]
     for sigma in (float(x) for x in args.perturb_sigmas.split(",") if x):
-        drafts.append((f"perturbed copy (sigma {sigma})", perturbed_copy(target, sigma, 0)))
+        drafts.append((f"perturbed copy (sigma {sigma})", perturbed_copy(base, sigma, 0)))
     if args.truncate_layers:
-        drafts.append((f"first {args.truncate_layers} layers", truncated_copy(target, args.truncate_layers)))
+        drafts.append((f"first {args.truncate_layers} layers", truncated_copy(base, args.truncate_layers)))
     probe = prompts[0]
     for name, model in drafts:
         # c: a draft forward over a target forward, both as plain batch-1 decoders, measured now.

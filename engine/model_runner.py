@@ -78,32 +78,46 @@ class ModelRunner:
         return int(num_blocks)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        chunks: list[tuple[list[int], list[int], int]] = []
+        logits_indices: list[int] = []
+        sample_rows: list[tuple[int, int, int]] = []
+        offset = 0
+        for i, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            chunks.append((seq.block_table, seq.all_token_ids_with_spec()[start : start + n], start))
+            offset += n
+            if item.samples:
+                rows = 1 + len(seq.draft_token_ids)
+                sample_rows.append((i, len(logits_indices), rows))
+                logits_indices.extend(range(offset - rows, offset))
+        return self.layout(chunks, logits_indices, sample_rows)
+
+    def layout(
+        self,
+        chunks: list[tuple[list[int], list[int], int]],
+        logits_indices: list[int],
+        sample_rows: list[tuple[int, int, int]],
+    ) -> StepInputs:
+        """Flat step inputs for ``chunks`` of ``(block_table, new tokens, first position)``."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         context_lens: list[int] = []
         starts = [0]
-        logits_indices: list[int] = []
-        sample_rows: list[tuple[int, int, int]] = []
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, item in enumerate(scheduled):
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            ids.extend(seq.all_token_ids_with_spec()[start : start + n])
+        max_blocks = max(len(table) for table, _, _ in chunks)
+        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
+        for i, (block_table, tokens, start) in enumerate(chunks):
+            n = len(tokens)
+            ids.extend(tokens)
             pos = torch.arange(start, start + n)
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
-            tables[i, : len(seq.block_table)] = table.to(torch.int32)
+            table = torch.tensor(block_table, dtype=torch.int64)
+            tables[i, : len(block_table)] = table.to(torch.int32)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             context_lens.append(start + n)
-            offset = starts[-1]
-            starts.append(offset + n)
-            if item.samples:
-                rows = 1 + len(seq.draft_token_ids)
-                sample_rows.append((i, len(logits_indices), rows))
-                logits_indices.extend(range(offset + n - rows, offset + n))
+            starts.append(starts[-1] + n)
         dev = self.device
         metadata = PagedMetadata(
             kv_caches=self.kv_caches,
@@ -112,7 +126,7 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             backend=self.backend,
-            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_query_len=max(len(tokens) for _, tokens, _ in chunks),
             max_context_len=max(context_lens),
         )
         return StepInputs(

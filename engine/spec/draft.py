@@ -16,12 +16,13 @@ transforms (``Sampler.target_probs`` on the draft's logits), which the rejection
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
 import torch
 
-from engine.attention import ATTN_IMPLEMENTATION, PagedMetadata
+from engine.attention import ATTN_IMPLEMENTATION
 from engine.config import parse_dtype
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, StepInputs
@@ -44,41 +45,9 @@ class DraftRunner(ModelRunner):
 
     def prepare_draft(self, items: list[tuple[Sequence, list[int], int]]) -> StepInputs:
         """Inputs for feeding ``tokens`` at positions ``start..`` of each sequence; logits at each last."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions, slots = [], []
-        context_lens, starts, logits_indices = [], [0], []
-        max_blocks = max(len(seq.block_table) for seq, _, _ in items)
-        tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
-        for i, (seq, tokens, start) in enumerate(items):
-            n = len(tokens)
-            ids.extend(tokens)
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
-            tables[i, : len(seq.block_table)] = table.to(torch.int32)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            context_lens.append(start + n)
-            starts.append(starts[-1] + n)
-            logits_indices.append(starts[-1] - 1)
-        dev = self.device
-        metadata = PagedMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=torch.cat(slots).to(dev),
-            block_tables=tables.to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            backend=self.backend,
-            max_query_len=max(len(tokens) for _, tokens, _ in items),
-            max_context_len=max(context_lens),
-        )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.cat(positions).to(dev),
-            metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            sample_rows=[],
-        )
+        chunks = [(seq.block_table, tokens, start) for seq, tokens, start in items]
+        ends = list(itertools.accumulate(len(tokens) for _, tokens, _ in items))
+        return self.layout(chunks, [end - 1 for end in ends], [])
 
 
 @dataclasses.dataclass(slots=True)
