@@ -51,7 +51,7 @@ def _client(ctx: click.Context, **kw):
 @click.option("--batch-name", default=None, help="Batch to create or resume (default: the file's path and model).")
 @click.option("--retry-failed", is_flag=True, help="Run again jobs that failed or were cancelled before.")
 @click.option("--device", default=None, help="Device of a local worker: cpu or cuda:N.")
-@click.option("--concurrency", type=int, default=None, help="Task threads of a local worker (default: max-num-seqs).")
+@click.option("--concurrency", type=int, default=None, help="Task threads of a local worker (default: 2 x max-num-seqs).")
 @click.option("--max-num-seqs", type=int, default=None, help="Engine batch size of a local worker.")
 @click.option("--local-worker/--no-local-worker", default=True, help="Start a worker here if none consumes the queue.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many seconds.")
@@ -193,7 +193,7 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, custom_id, wait_s)
 @click.option("--device", default=None, help="cpu or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
 @click.option("--model", default=None)
 @click.option("--queue", default=None, help="Queue to consume (default gen.<model-slug>).")
-@click.option("--concurrency", "-c", type=int, default=None, help="Task threads (default: max-num-seqs).")
+@click.option("--concurrency", "-c", type=int, default=None, help="Task threads (default: 2 x max-num-seqs).")
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--name", default=None, help="Node name (default <device>@<host>).")
 @click.option("--loglevel", default="info")
@@ -224,7 +224,9 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     configure(broker)
     seqs = int(env("MAX_NUM_SEQS", "64"))
     node = worker_name(device) if name is None else (name if "@" in name else f"{name}@{socket.gethostname()}")
-    argv = ["worker", "-P", "threads", "-c", str(concurrency or seqs), "-Q", settings.queue_name, "-n", node,
+    # Twice the engine's batch: finished sequences are replaced from the engine's own waiting
+    # queue at the next step, instead of the batch draining while threads ack and fetch anew.
+    argv = ["worker", "-P", "threads", "-c", str(concurrency or 2 * seqs), "-Q", settings.queue_name, "-n", node,
             "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
     app.worker_main(argv)
 
