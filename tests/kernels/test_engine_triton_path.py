@@ -8,16 +8,11 @@ starts, so forcing ``SPECBATCH_KERNEL_BACKEND=triton`` before building ``LLM`` r
 
 from __future__ import annotations
 
-import pytest
 
 from paged_cases import DEVICE, spy
 
-engine = pytest.importorskip("engine", reason="the engine package is not importable")
-if not hasattr(engine, "LLM"):
-    pytest.skip("engine.LLM has not landed yet", allow_module_level=True)
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.testing import make_tiny_model  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.testing import make_tiny_model
 
 PROMPTS = [
     "Hello, paged world!",  # prefill of 19 tokens then decodes: crosses a 16-token block
