@@ -121,29 +121,16 @@ def paged_attention_torch(
     verification: one call instead of one per sequence per layer); each longer sequence is
     attended on its own so that a long prefill chunk never pads the decodes.
     """
-    block_size = k_cache.shape[1]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     ctx_list = context_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(ctx_list))]
     single = [i for i, n in enumerate(q_lens) if n == 1]
     short = [i for i, n in enumerate(q_lens) if 1 < n <= MAX_BATCHED_QUERY]
-    for group in (single, short):
+    long = [[i] for i, n in enumerate(q_lens) if n > MAX_BATCHED_QUERY]
+    for group in (single, short, *long):
         if group:
             _attend_batch(out, query, k_cache, v_cache, block_tables, group, starts, q_lens, ctx_list, scale, sliding_window)
-    for i, n in enumerate(q_lens):
-        if n <= MAX_BATCHED_QUERY:
-            continue
-        ctx_len = ctx_list[i]
-        nb = (ctx_len + block_size - 1) // block_size
-        table = block_tables[i : i + 1]
-        k = _gather(k_cache, table, nb).to(query.dtype)
-        v = _gather(v_cache, table, nb).to(query.dtype)
-        q = query[starts[i] : starts[i + 1]][None]
-        q_pos = torch.arange(ctx_len - n, ctx_len, device=query.device)[None]
-        ctx = torch.tensor([ctx_len], device=query.device)
-        mask = _allowed(q_pos, k.shape[2], ctx, sliding_window)
-        out[starts[i] : starts[i + 1]] = _attend_grouped(q, k, v, mask, scale)[0]
     return out
 
 

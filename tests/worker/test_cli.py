@@ -25,6 +25,17 @@ def run_cli(args, env, cwd):
                           text=True, timeout=240)
 
 
+def setup_run(tmp_path, redis_url, unique_queue, lines):
+    """Input file, output path, environment and server flags for one ``specbatch run``."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue,
+               SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"))
+    env.pop("DATABASE_URL", None)
+    servers = ["--broker-url", redis_url, "--database-url", f"sqlite:///{tmp_path / 'sb.db'}"]
+    return src, tmp_path / "out.jsonl", env, servers
+
+
 def test_run_mixed_file(tmp_path, redis_url, unique_queue):
     from engine.testing import make_tiny_model
 
@@ -40,14 +51,8 @@ def test_run_mixed_file(tmp_path, redis_url, unique_queue):
         '{"prompt": "plain line", "max_tokens": 6}',
         chat("ok-1", "duplicate id", max_tokens=8),
     ]
-    src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue,
-               SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"))
-    env.pop("DATABASE_URL", None)
-    args = ["--broker-url", redis_url, "--database-url", f"sqlite:///{tmp_path / 'sb.db'}",
-            "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "8"]
+    src, out, env, servers = setup_run(tmp_path, redis_url, unique_queue, lines)
+    args = [*servers, "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "8"]
     res = run_cli(args, env, tmp_path)
     assert res.returncode == 1, res.stderr[-3000:]
     rows = [json.loads(l) for l in out.read_text().splitlines()]
@@ -84,14 +89,8 @@ def test_run_with_speculation_records_drafts(tmp_path, redis_url, unique_queue):
     model = str(make_tiny_model(tmp_path / "tiny"))
     # A random tiny model falls into loops quickly: prompt lookup has plenty to propose.
     lines = [chat(f"s-{i}", "abcabcabc " * 4, max_tokens=48, temperature=0, ignore_eos=True) for i in range(4)]
-    src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue,
-               SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"))
-    env.pop("DATABASE_URL", None)
-    args = ["--broker-url", redis_url, "--database-url", f"sqlite:///{tmp_path / 'sb.db'}",
-            "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "4", "--speculative", "ngram:4"]
+    src, out, env, servers = setup_run(tmp_path, redis_url, unique_queue, lines)
+    args = [*servers, "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "4", "--speculative", "ngram:4"]
     res = run_cli(args, env, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(l) for l in out.read_text().splitlines()]
