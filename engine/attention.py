@@ -8,7 +8,7 @@ blocks through ``kernels``. No causal mask is built: the kernels know the layout
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -32,6 +32,40 @@ class PagedMetadata:
     # Host-side maxima, so a GPU kernel launch never reads them back from the device.
     max_query_len: int = 0
     max_context_len: int = 0
+    # Layer-independent attention work (masks, gather indices), built by the first layer.
+    plan_cache: dict = field(default_factory=dict)
+
+
+def paged_attention_flat(
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: PagedMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Write this step's ``k``/``v`` ``[T, Hkv, D]`` into layer ``layer_idx``'s cache and attend.
+
+    ``q[T, H, D]`` → ``[T, H, D]``. Shared by the attention-interface entry below and by the
+    fused decoder layers of ``engine.fused_layers``.
+    """
+    k_cache, v_cache = meta.kv_caches[layer_idx]
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+    return kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.context_lens,
+        meta.query_start_loc,
+        scale,
+        sliding_window,
+        backend=meta.backend,
+        max_query_len=meta.max_query_len,
+        max_context_len=meta.max_context_len,
+        plan_cache=meta.plan_cache,
+    )
 
 
 def paged_attention_forward(
@@ -52,22 +86,10 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = kernels.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.context_lens,
-        meta.query_start_loc,
-        scale,
-        getattr(module, "sliding_window", None),
-        backend=meta.backend,
-        max_query_len=meta.max_query_len,
-        max_context_len=meta.max_context_len,
-    )
+    # Mistral passes its window as a keyword; Qwen2 and others keep it on the module.
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    out = paged_attention_flat(module.layer_idx, q, k, v, meta, scale, window)
     return out[None], None
 
 

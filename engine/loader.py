@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from engine.attention import ATTN_IMPLEMENTATION
 from engine.cpu_linear import can_pack, pack_linears
+from engine.fused_layers import fuse_decoder_layers
 from engine.model_hub import resolve_model
 
 
@@ -20,6 +21,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, trust_remot
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf_model = hf_model.to(device).eval().requires_grad_(False)
+    fuse_decoder_layers(hf_model)
     if can_pack(device, dtype):
         pack_linears(hf_model)
     return hf_model

@@ -22,6 +22,7 @@ from kernels.sampling import rejection_sample_torch
 
 BACKENDS = ("torch", "triton")
 TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
+TORCH_HINTS = ("plan_cache",)
 
 
 def kernel_backend(device: torch.device | str) -> str:
@@ -42,13 +43,15 @@ def _check(backend: str) -> None:
 def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
     """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``).
 
-    The Triton-only hints (``max_query_len``, ``max_context_len``, ``kv_split_len``) may be
-    passed on any backend; the torch reference ignores them.
+    The Triton-only hints (``max_query_len``, ``max_context_len``, ``kv_split_len``) and the
+    torch-only ``plan_cache`` may be passed on any backend; the other one ignores them.
     """
     _check(backend)
     if backend == "triton":
         from kernels.paged_attention import paged_attention_triton
 
+        for hint in TORCH_HINTS:
+            kwargs.pop(hint, None)
         return paged_attention_triton(*args, **kwargs)
     for hint in TRITON_HINTS:
         kwargs.pop(hint, None)

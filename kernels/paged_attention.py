@@ -17,21 +17,46 @@ to everything already cached). Inputs:
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``[B, kv_heads, num_blocks * block_size, head_dim]`` from each row's first blocks.
+class _Workspace(threading.local):
+    """Per-thread scratch buffers for the gathered K/V, reused by every layer of every step.
+
+    A fresh multi-megabyte tensor per gather is mmapped and page-faulted anew on each call (at
+    batch 64 that made the copy 6x slower than the copy itself); a reused buffer is not.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)), dtype=dtype, device=device)
+            self.buffers[key] = buf
+        return buf[:numel]
+
+
+_workspace = _Workspace()
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, batch: int, name: str) -> torch.Tensor:
+    """``[B, kv_heads, num_blocks * block_size, head_dim]`` from flat block ids ``[B * num_blocks]``.
 
     ``index_select`` on the flattened cache copies whole blocks; advanced indexing is ~100x slower
-    on the CPU.
+    on the CPU. The result lives in a reused per-thread buffer (valid until the next gather).
     """
-    b = block_tables.shape[0]
     n, bs, h, d = cache.shape
-    idx = block_tables[:, :num_blocks].reshape(-1).long()
-    blocks = cache.view(n, -1).index_select(0, idx)
-    return blocks.view(b, num_blocks * bs, h, d).transpose(1, 2)
+    flat = cache.view(n, -1)
+    out = _workspace.get(name, block_ids.numel() * flat.shape[1], cache.dtype, cache.device)
+    blocks = torch.index_select(flat, 0, block_ids, out=out.view(block_ids.numel(), flat.shape[1]))
+    return blocks.view(batch, -1, h, d).transpose(1, 2)
 
 
 def _allowed(
@@ -45,63 +70,108 @@ def _allowed(
     return mask
 
 
-def _attend_grouped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Grouped-query attention without repeating K/V.
-
-    q ``[B, q, H, D]``, k/v ``[B, Hkv, L, D]``, mask ``[B, q, L]`` → ``[B, q, H, D]``. The ``H / Hkv``
-    query heads that share a KV head are folded into the query-length axis, so one SDPA call per
-    KV head serves them all (query head h reads KV head ``h // (H / Hkv)``, as transformers' repeat_kv).
-    """
-    b, n, h, d = q.shape
-    hkv = k.shape[1]
-    g = h // hkv
-    qg = q.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
-    m = mask[:, None, None].expand(b, 1, g, n, mask.shape[-1]).reshape(b, 1, g * n, mask.shape[-1])
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
-    return out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
-
-
 # Sequences with at most this many query tokens (decode, speculative verification) are attended
 # in padded batches; longer ones (prefill chunks) one by one, so they never pad the short ones.
 MAX_BATCHED_QUERY = 33
 
 
-def _attend_batch(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+@dataclass(slots=True)
+class _GroupPlan:
+    """Everything about one padded SDPA call that does not depend on the layer."""
+
+    batch: int
+    q_max: int
+    block_ids: torch.Tensor  # [batch * num_blocks] int64: blocks to gather, row after row
+    query_rows: torch.Tensor  # [batch * q_max]: flat query row of each padded query slot
+    out_rows: torch.Tensor  # flat output rows of the valid padded slots
+    valid: torch.Tensor | None  # [batch, q_max] bool; None when every slot is valid (decode)
+    mask: torch.Tensor  # [batch, 1, groups * q_max, L] additive float mask, grouped layout
+
+
+def _plan_group(
     block_tables: torch.Tensor,
     seqs: list[int],
     starts: list[int],
     q_lens: list[int],
     ctx_list: list[int],
-    scale: float,
+    block_size: int,
+    groups: int,
     sliding_window: int | None,
-) -> None:
-    """One padded SDPA call for ``seqs``; query rows past a sequence's length are discarded."""
-    device = query.device
-    block_size = k_cache.shape[1]
+    dtype: torch.dtype,
+) -> _GroupPlan:
+    device = block_tables.device
+    b = len(seqs)
     idx = torch.tensor(seqs, device=device)
     n = torch.tensor([q_lens[i] for i in seqs], device=device)
     ctx = torch.tensor([ctx_list[i] for i in seqs], device=device)
-    q_max = int(n.max())
+    q_max = max(q_lens[i] for i in seqs)
     nb = (max(ctx_list[i] for i in seqs) + block_size - 1) // block_size
-    tables = block_tables.index_select(0, idx)
-    k = _gather(k_cache, tables, nb).to(query.dtype)
-    v = _gather(v_cache, tables, nb).to(query.dtype)
+    block_ids = block_tables.index_select(0, idx)[:, :nb].reshape(-1).long()
     j = torch.minimum(torch.arange(q_max, device=device)[None, :], (n - 1)[:, None])  # [B, q_max]
     rows = torch.tensor([starts[i] for i in seqs], device=device)[:, None] + j
-    q = query[rows.reshape(-1)].view(len(seqs), q_max, *query.shape[1:])
-    mask = _allowed(ctx[:, None] - n[:, None] + j, k.shape[2], ctx, sliding_window)
-    attended = _attend_grouped(q, k, v, mask, scale)
+    allowed = _allowed(ctx[:, None] - n[:, None] + j, nb * block_size, ctx, sliding_window)
+    kv_len = allowed.shape[-1]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    mask = mask[:, None, None].expand(b, 1, groups, q_max, kv_len).reshape(b, 1, groups * q_max, kv_len)
     if q_max == 1:
-        out.index_copy_(0, rows[:, 0], attended[:, 0])
+        return _GroupPlan(b, q_max, block_ids, rows.reshape(-1), rows[:, 0], None, mask)
+    valid = torch.arange(q_max, device=device)[None, :] < n[:, None]
+    return _GroupPlan(b, q_max, block_ids, rows.reshape(-1), rows[valid], valid, mask)
+
+
+def _attend_group(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: _GroupPlan,
+    scale: float,
+) -> None:
+    """One padded SDPA call; query rows past a sequence's length are discarded.
+
+    Grouped-query attention without repeating K/V: the ``H / Hkv`` query heads that share a KV
+    head are folded into the query-length axis, so one SDPA call per KV head serves them all
+    (query head h reads KV head ``h // (H / Hkv)``, as transformers' repeat_kv).
+    """
+    b, n = plan.batch, plan.q_max
+    h, d = query.shape[1:]
+    k = _gather(k_cache, plan.block_ids, b, "k").to(query.dtype)
+    v = _gather(v_cache, plan.block_ids, b, "v").to(query.dtype)
+    hkv = k.shape[1]
+    g = h // hkv
+    q = query.index_select(0, plan.query_rows).view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
+    attended = attended.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4)
+    if plan.valid is None:
+        out.index_copy_(0, plan.out_rows, attended.reshape(b, h, d))
     else:
-        valid = torch.arange(q_max, device=device)[None, :] < n[:, None]
-        out[rows[valid]] = attended[valid]
+        out.index_copy_(0, plan.out_rows, attended[plan.valid].reshape(-1, h, d))
+
+
+def plan_paged_attention_torch(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> list[_GroupPlan]:
+    """The layer-independent part of ``paged_attention_torch``: which sequences share an SDPA
+    call, the blocks each gathers, the masks. Built once per step and reused by every layer."""
+    starts = query_start_loc.tolist()
+    ctx_list = context_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(ctx_list))]
+    single = [i for i, n in enumerate(q_lens) if n == 1]
+    short = [i for i, n in enumerate(q_lens) if 1 < n <= MAX_BATCHED_QUERY]
+    long = [[i] for i, n in enumerate(q_lens) if n > MAX_BATCHED_QUERY]
+    groups = num_heads // num_kv_heads
+    return [
+        _plan_group(block_tables, group, starts, q_lens, ctx_list, block_size, groups, sliding_window, dtype)
+        for group in (single, short, *long)
+        if group
+    ]
 
 
 def paged_attention_torch(
@@ -113,6 +183,8 @@ def paged_attention_torch(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    plan_cache: dict | None = None,
 ) -> torch.Tensor:
     """Reference paged attention; returns ``[T, num_heads, head_dim]`` in ``query``'s dtype.
 
@@ -120,17 +192,22 @@ def paged_attention_torch(
     dominates a running batch), and so are those with 2..``MAX_BATCHED_QUERY`` (speculative
     verification: one call instead of one per sequence per layer); each longer sequence is
     attended on its own so that a long prefill chunk never pads the decodes.
+
+    ``plan_cache``: a dict that lives as long as one step's metadata; the step's plan (groups,
+    block ids, masks) is built on the first layer's call and reused by the others.
     """
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    ctx_list = context_lens.tolist()
-    q_lens = [starts[i + 1] - starts[i] for i in range(len(ctx_list))]
-    single = [i for i, n in enumerate(q_lens) if n == 1]
-    short = [i for i, n in enumerate(q_lens) if 1 < n <= MAX_BATCHED_QUERY]
-    long = [[i] for i, n in enumerate(q_lens) if n > MAX_BATCHED_QUERY]
-    for group in (single, short, *long):
-        if group:
-            _attend_batch(out, query, k_cache, v_cache, block_tables, group, starts, q_lens, ctx_list, scale, sliding_window)
+    key = (sliding_window, query.shape[1], k_cache.shape[2], query.dtype)
+    plan = plan_cache.get(key) if plan_cache is not None else None
+    if plan is None:
+        plan = plan_paged_attention_torch(
+            block_tables, context_lens, query_start_loc, k_cache.shape[1],
+            query.shape[1], k_cache.shape[2], sliding_window, query.dtype,
+        )
+        if plan_cache is not None:
+            plan_cache[key] = plan
+    for group in plan:
+        _attend_group(out, query, k_cache, v_cache, group, scale)
     return out
 
 

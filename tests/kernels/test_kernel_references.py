@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,3 +74,21 @@ def test_cache_references_match_loops():
     want[1], want[3] = k_cache[0], k_cache[0]
     copy_blocks_torch([k_cache], torch.tensor([[0, 1], [0, 3]]))
     assert torch.equal(k_cache, want)
+
+
+def test_a_plan_cache_is_reused_across_layers_of_one_step():
+    """One step's plan (groups, gathered blocks, masks) serves every layer: another layer's
+    query and caches over the same layout give what a fresh call gives, and the plan is built once."""
+    first = make_case([5, 33, 20], [5, 4, 1], group=3, head_dim=16, sliding_window=None, seed=3, device="cpu")
+    gen = torch.Generator().manual_seed(4)
+    second = dataclasses.replace(
+        first, **{name: torch.randn(getattr(first, name).shape, generator=gen) for name in ("query", "k_cache", "v_cache")}
+    )
+    plan_cache: dict = {}
+    got_first = paged_attention_torch(*first.args(), plan_cache=plan_cache)
+    assert len(plan_cache) == 1
+    plan = next(iter(plan_cache.values()))
+    got_second = paged_attention_torch(*second.args(), plan_cache=plan_cache)
+    assert next(iter(plan_cache.values())) is plan
+    torch.testing.assert_close(got_first, paged_attention_torch(*first.args()))
+    torch.testing.assert_close(got_second.double(), naive_attention(second), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,81 @@
+"""The fused decoder layers compute what transformers' layers compute, family by family.
+
+Each tiny random model (Llama; Qwen2 with QKV bias and sliding-window layers; Mistral with a
+window shorter than the prompts) runs through the engine, where its layers are swapped for
+``FusedDecoderLayer``; the logits the engine samples at must match an unmodified transformers
+model's full forward (eager attention) over the same tokens, in prefill, chunked prefill and decode.
+A family we do not fuse (Qwen3: per-head q/k norms) is left to transformers' code and still matches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
+
+from engine import LLM, SamplingParams
+from engine.fused_layers import FusedDecoderLayer
+from engine.testing import make_byte_tokenizer, make_tiny_model
+
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+)
+
+
+def save_family(path, family: str) -> str:
+    tokenizer = make_byte_tokenizer()
+    ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if family == "llama":
+        return str(make_tiny_model(path, num_layers=3, logit_scale=4.0))
+    if family == "qwen2":
+        config = Qwen2Config(
+            **COMMON, **ids, use_sliding_window=True, sliding_window=12, max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        )
+    elif family == "mistral":
+        config = MistralConfig(**COMMON, **ids, sliding_window=12)
+    elif family == "qwen3":
+        config = Qwen3Config(**COMMON, **ids)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)  # Qwen2's QKV biases start at zero: make them matter
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family,fused", [("llama", True), ("qwen2", True), ("mistral", True), ("qwen3", False)])
+def test_engine_logits_match_transformers(tmp_path, family, fused):
+    path = save_family(tmp_path, family)
+    llm = LLM(path, device="cpu", max_num_batched_tokens=16, block_size=16)
+    layers = llm.engine.model.model.layers
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused
+    assert any(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused
+
+    records: list[tuple[str, int, torch.Tensor]] = []
+
+    def hook(sched, inputs, logits):
+        for index, first_row, num_rows in inputs.sample_rows:
+            item = sched.scheduled[index]
+            position = item.seq.num_computed_tokens + item.num_new_tokens - 1
+            records.append((item.seq.request.request_id, position, logits[first_row + num_rows - 1].clone()))
+
+    llm.engine.logits_hook = hook
+    prompts = [list(range(40, 40 + n)) for n in (5, 23, 37)]  # longer than the window, chunked by 16
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    by_id = {out.request_id: out for out in outs}
+    full = {}
+    for request_id, position, logits in records:
+        out = by_id[request_id]
+        if request_id not in full:
+            tokens = out.prompt_token_ids + out.outputs[0].token_ids
+            with torch.no_grad():
+                full[request_id] = reference(torch.tensor([tokens])).logits[0]
+        torch.testing.assert_close(logits, full[request_id][position], atol=1e-4, rtol=1e-4)
+    assert len(records) == 3 * 12
