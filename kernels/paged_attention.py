@@ -35,7 +35,8 @@ class _Workspace(threading.local):
         self.buffers: dict[tuple, torch.Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (name, dtype, device)
+        # A buffer made under inference mode cannot be written outside it (and vice versa).
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)), dtype=dtype, device=device)

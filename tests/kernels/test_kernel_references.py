@@ -92,3 +92,12 @@ def test_a_plan_cache_is_reused_across_layers_of_one_step():
     assert next(iter(plan_cache.values())) is plan
     torch.testing.assert_close(got_first, paged_attention_torch(*first.args()))
     torch.testing.assert_close(got_second.double(), naive_attention(second), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_runs_in_and_out_of_inference_mode_on_one_thread():
+    """Scratch buffers made under inference mode (the engine) must not leak into plain calls."""
+    case = make_case([20, 33], [1, 1], group=2, head_dim=16, seed=5, device="cpu")
+    with torch.inference_mode():
+        inside = paged_attention_torch(*case.args())
+    outside = paged_attention_torch(*case.args())
+    torch.testing.assert_close(inside.clone(), outside)
