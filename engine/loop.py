@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -57,8 +57,12 @@ class RequestHandle:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine | None = None, *, factory: Callable[[], LLMEngine] | None = None) -> None:
+        if (engine is None) == (factory is None):
+            raise ValueError("pass an engine or a factory that builds one, not both")
         self.engine = engine
+        self._factory = factory
+        self._ready = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._handles: dict[str, RequestHandle] = {}
@@ -70,6 +74,23 @@ class EngineLoop:
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
+
+    @classmethod
+    def build(cls, factory: Callable[[], LLMEngine], timeout: float | None = None) -> "EngineLoop":
+        """Build the engine inside the loop's own thread, then start stepping; raise its load error.
+
+        Why: torch's CPU ops run on an OpenMP thread team owned by the calling thread. An engine
+        loaded (or warmed up) in one thread and stepped in another leaves two teams on the cores;
+        libgomp then sees more threads than CPUs, stops spin-waiting between parallel regions, and
+        every small op pays a futex wake-up: steps were ~20% slower on 2 cores (measured). All of
+        the engine's torch work in one thread keeps one team.
+        """
+        loop = cls(factory=factory).start()
+        if not loop._ready.wait(timeout):
+            raise TimeoutError(f"the engine was not built within {timeout} s")
+        if loop.engine is None:
+            raise RuntimeError(f"building the engine failed: {loop.error!r}") from loop.error
+        return loop
 
     @property
     def running(self) -> bool:
@@ -88,6 +109,10 @@ class EngineLoop:
         """Validate and queue a request; it joins the running batch at the next step."""
         if not self._accepting:
             raise RuntimeError("the engine loop is shutting down")
+        if self.engine is None:  # built by the loop thread: wait for it
+            self._ready.wait()
+            if self.engine is None:
+                raise RuntimeError(f"the engine could not be built: {self.error!r}")
         request = self.engine.make_request(
             prompt, messages=messages, params=params, request_id=request_id, arrival_time=arrival_time
         )
@@ -145,6 +170,16 @@ class EngineLoop:
                     handle._publish(self.engine.make_output(request))
 
     def _run(self) -> None:
+        if self.engine is None:
+            try:
+                self.engine = self._factory()
+            except BaseException as exc:
+                self.error = exc
+                log.exception("building the engine failed")
+                return
+            finally:
+                self._ready.set()
+        self._ready.set()
         try:
             while not self._stopping.is_set():
                 self._wakeup.clear()

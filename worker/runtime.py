@@ -117,8 +117,9 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs: 
 
         kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
         log.info("loading %s on %s (%s)", model, label, kwargs)
-        llm = LLM(resolve_model(model), device=engine_device, **kwargs)
-        loop = EngineLoop(llm.engine).start()
+        # The engine is built in the loop's thread: all torch work in one thread (see EngineLoop.build).
+        loop = EngineLoop.build(lambda: LLM(resolve_model(model), device=engine_device, **kwargs).engine)
+        llm = LLM.from_engine(loop.engine)
         _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop)
         return _runtime
 

@@ -121,3 +121,28 @@ def test_shutdown_drains_running_requests(tiny_model_dir):
     assert handle.result(timeout=1).outputs[0].finish_reason == "length"
     with pytest.raises(RuntimeError, match="shutting down"):
         loop.submit("too late", params=long_params(2))
+
+
+def test_build_makes_the_engine_in_the_loop_thread_and_serves(tiny_model_dir):
+    """All of the engine's torch work happens in one thread (one OpenMP team on the cores)."""
+    built_in: list[threading.Thread] = []
+
+    def factory():
+        built_in.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu"))
+
+    loop = EngineLoop.build(factory, timeout=60)
+    try:
+        assert built_in == [loop._thread] and loop._thread is not threading.main_thread()
+        out = loop.submit("hello", params=long_params(7)).result(timeout=60)
+        assert len(out.outputs[0].token_ids) == 7
+    finally:
+        loop.shutdown(drain_timeout=5)
+
+
+def test_build_raises_the_load_error(tmp_path):
+    def factory():
+        return LLMEngine(EngineConfig(model=str(tmp_path / "no-such-model"), device="cpu"))
+
+    with pytest.raises(RuntimeError, match="building the engine failed"):
+        EngineLoop.build(factory, timeout=60)
