@@ -86,6 +86,16 @@ class Runtime:
     loop: Any
     inflight: dict[str, str] = field(default_factory=dict)  # job id -> engine request id
     lock: threading.Lock = field(default_factory=threading.Lock)
+    heartbeat: Any = None  # the process's Heartbeat, started with the first job
+
+    def heartbeats(self, store: Any, interval: float) -> Any:
+        """The process's one ``Heartbeat`` (refreshing every running job's lease), started once."""
+        with self.lock:
+            if self.heartbeat is None:
+                from .heartbeat import Heartbeat
+
+                self.heartbeat = Heartbeat(store, self.loop.abort, interval)
+            return self.heartbeat
 
     def abort_jobs(self, job_ids: list[str]) -> list[str]:
         """Abort the given jobs if this process is generating them (cooperative cancel)."""
@@ -138,6 +148,8 @@ def stop(drain_timeout: float = 30.0) -> None:
     with _lock:
         if _runtime is not None:
             _runtime.loop.shutdown(drain_timeout=drain_timeout)
+            if _runtime.heartbeat is not None:
+                _runtime.heartbeat.stop()
             _runtime = None
 
 

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import Engine, create_engine, delete, event, func, select, update
+from sqlalchemy import Engine, bindparam, create_engine, delete, event, func, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -272,6 +272,25 @@ class Store:
                 .values(heartbeat_at=time.time())
             )
             return res.rowcount == 1
+
+    def heartbeat_many(self, attempts: dict[str, int]) -> set[str]:
+        """Refresh the leases of many attempts ``{job id: attempt}`` in one transaction; return
+        the job ids those attempts no longer own (cancelled, finished elsewhere, superseded)."""
+        if not attempts:
+            return set()
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(Job)
+                .where(Job.id == bindparam("job_id"), Job.attempts == bindparam("attempt"), Job.status == RUNNING)
+                .values(heartbeat_at=now),
+                [{"job_id": job_id, "attempt": attempt} for job_id, attempt in attempts.items()],
+            )
+            rows = conn.execute(
+                select(Job.id, Job.attempts, Job.status).where(Job.id.in_(list(attempts)))
+            ).all()
+        owned = {job_id for job_id, attempt, status in rows if status == RUNNING and attempt == attempts[job_id]}
+        return set(attempts) - owned
 
     def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
         """Write a final result (status in ``values``) if ``attempt`` still owns the job."""

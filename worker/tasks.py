@@ -1,9 +1,10 @@
 """The one Celery task: generate a job on this process's engine, idempotently.
 
 Check the store first (a job that already succeeded is never generated again), claim a new
-attempt, submit to the running loop, heartbeat while waiting (which is also how a cancel is
-noticed), then write the result fenced by the attempt number. The message is acked only
-after that write (``acks_late``), so a crash before it means redelivery, not loss.
+attempt, submit to the running loop, wait while the process's one heartbeat keeps the lease
+fresh (which is also how a cancel is noticed: see ``worker.heartbeat``), then write the result
+fenced by the attempt number. The message is acked only after that write (``acks_late``), so a
+crash before it means redelivery, not loss.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
         store.fail(job_id, attempt, str(exc), "invalid_request")
         return "failed"
     rt.inflight[job_id] = request_id
+    heartbeat = rt.heartbeats(store, heartbeat_seconds())  # one thread refreshes every job's lease
+    heartbeat.track(job_id, attempt, request_id)
     deadline = time.time() + max_job_seconds()
     aborted_because: str | None = None
     try:
@@ -83,17 +86,15 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
                 out = handle.result(timeout=heartbeat_seconds())
                 break
             except TimeoutError:
-                if aborted_because is None:
-                    if not store.heartbeat(job_id, attempt):
-                        aborted_because = "cancelled or superseded"
-                        rt.loop.abort(request_id)
-                    elif time.time() > deadline:
-                        aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
-                        rt.loop.abort(request_id)
+                if aborted_because is None and time.time() > deadline:
+                    aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
+                    rt.loop.abort(request_id)
                 elif not rt.loop.running:
                     raise RuntimeError("engine loop stopped while waiting")
     finally:
         rt.inflight.pop(job_id, None)
+        lost = heartbeat.untrack(job_id)
+    aborted_because = aborted_because or lost
     values = result_values(out)
     if aborted_because is not None and values["status"] == SUCCEEDED:
         values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")

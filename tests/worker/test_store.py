@@ -162,3 +162,44 @@ def test_refresh_batch_counts_and_finish(db_url):
     store.refresh_batch(p.batch_id)
     b = store.get_batch(p.batch_id)
     assert b.num_succeeded == 1 and b.num_total == 1 and b.finished_at is not None
+
+
+def test_heartbeat_many_refreshes_owned_attempts_and_names_the_lost(db_url):
+    store = _store(db_url)
+    for job_id in ("live", "cancelled", "superseded", "done"):
+        store.add_job(dict(model="m", prompt="p", id=job_id))
+    att = {j: store.claim(j, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
+           for j in ("live", "cancelled", "superseded", "done")}
+    store.cancel(job_ids=["cancelled"])
+    # A newer attempt took "superseded" over (its lease was presumed dead).
+    assert store.claim("superseded", worker="w2", device="cpu", lease_s=0, max_attempts=3).attempt == 2
+    assert store.finish("done", att["done"], {"status": SUCCEEDED, "finished_at": time.time()})
+    before = store.get_job("live").heartbeat_at
+    time.sleep(0.01)
+    lost = store.heartbeat_many(att)
+    assert lost == {"cancelled", "superseded", "done"}
+    assert store.get_job("live").heartbeat_at > before
+    assert store.get_job("superseded").worker == "w2"  # the other attempt's row is untouched
+    assert store.heartbeat_many({}) == set()
+
+
+def test_one_heartbeat_thread_aborts_what_was_cancelled(db_url):
+    from worker.heartbeat import Heartbeat
+
+    store = _store(db_url)
+    for job_id in ("a", "b"):
+        store.add_job(dict(model="m", prompt="p", id=job_id))
+    aborted: list[str] = []
+    beat = Heartbeat(store, aborted.append, interval=3600)  # beats driven by hand below
+    try:
+        for job_id in ("a", "b"):
+            beat.track(job_id, store.claim(job_id, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt,
+                       f"{job_id}#1")
+        assert beat.beat() == [] and aborted == []
+        store.cancel(job_ids=["b"])
+        assert beat.beat() == ["b"] and aborted == ["b#1"]
+        assert beat.untrack("b") == "cancelled or superseded"
+        assert beat.untrack("a") is None
+        assert beat.beat() == []  # nothing tracked any more
+    finally:
+        beat.stop()

@@ -1,0 +1,70 @@
+"""One heartbeat for all the jobs a worker process is generating.
+
+Each running attempt holds a lease that must be refreshed while it runs (a job whose heartbeat
+grows old is presumed lost and re-queued), and a refresh that no longer matches tells the
+worker the job was cancelled or superseded, so it aborts the generation. Refreshing each job
+from its own task thread cost one database write per job per interval: 64 running jobs at 2 s
+were 32 writes/s, enough CPU to slow the engine on a 2-core machine (queue/in-process 0.90x
+with per-job beats, 0.99x with almost none). One thread refreshes them all in one transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Refresh the leases of this process's running attempts every ``interval`` seconds."""
+
+    def __init__(self, store: Any, abort: Callable[[str], None], interval: float) -> None:
+        self.store = store
+        self.abort = abort  # aborts an engine request by id
+        self.interval = interval
+        self._owned: dict[str, tuple[int, str]] = {}  # job id -> (attempt, engine request id)
+        self._lost: dict[str, str] = {}  # job id -> why this attempt no longer owns it
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specbatch-heartbeat", daemon=True)
+        self._thread.start()
+
+    def track(self, job_id: str, attempt: int, request_id: str) -> None:
+        with self._lock:
+            self._owned[job_id] = (attempt, request_id)
+            self._lost.pop(job_id, None)
+
+    def untrack(self, job_id: str) -> str | None:
+        """Stop refreshing ``job_id``; return why it was lost, if it was."""
+        with self._lock:
+            self._owned.pop(job_id, None)
+            return self._lost.pop(job_id, None)
+
+    def beat(self) -> list[str]:
+        """One refresh of every tracked attempt; abort and return the jobs no longer owned."""
+        with self._lock:
+            owned = dict(self._owned)
+        if not owned:
+            return []
+        lost = self.store.heartbeat_many({job_id: attempt for job_id, (attempt, _) in owned.items()})
+        aborted = []
+        for job_id in lost:
+            with self._lock:
+                if job_id not in self._owned:
+                    continue  # finished meanwhile
+                self._lost[job_id] = "cancelled or superseded"
+            self.abort(owned[job_id][1])
+            aborted.append(job_id)
+        return aborted
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # database down: keep going; leases simply age meanwhile
+                log.exception("heartbeat failed")
