@@ -55,6 +55,9 @@ class EngineConfig:
     seed: int = 0
     speculative_config: "SpeculativeConfig | dict | None" = None
     trust_remote_code: bool = False
+    # Llama-family decoder layers run as engine.fused_layers.FusedDecoderLayer (same maths, fewer
+    # ops); False keeps transformers' own layers with our attention plugged in.
+    fuse_layers: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

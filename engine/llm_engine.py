@@ -33,7 +33,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-        self.model = model or load_model(config.model, config.dtype, config.device, config.trust_remote_code)
+        self.model = model or load_model(
+            config.model, config.dtype, config.device, config.trust_remote_code, config.fuse_layers
+        )
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048

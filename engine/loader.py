@@ -15,13 +15,16 @@ def load_tokenizer(model: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(resolve_model(model), trust_remote_code=trust_remote_code)
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> PreTrainedModel:
+def load_model(
+    model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False, fuse_layers: bool = True
+) -> PreTrainedModel:
     """The model in eval mode with our paged attention selected in every layer."""
     path = resolve_model(model)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf_model = hf_model.to(device).eval().requires_grad_(False)
-    fuse_decoder_layers(hf_model)
+    if fuse_layers:
+        fuse_decoder_layers(hf_model)
     if can_pack(device, dtype):
         pack_linears(hf_model)
     return hf_model

@@ -81,7 +81,7 @@ class DraftModelProposer:
         dtype = parse_dtype(config.draft_dtype, ecfg.device) if config.draft_dtype else ecfg.dtype
         name = config.draft_model if isinstance(config.draft_model, str) else type(config.draft_model).__name__
         if model is None and isinstance(config.draft_model, str):
-            model = load_model(config.draft_model, dtype, ecfg.device, ecfg.trust_remote_code)
+            model = load_model(config.draft_model, dtype, ecfg.device, ecfg.trust_remote_code, ecfg.fuse_layers)
         elif model is None:  # a model object: put our paged attention in it
             model = config.draft_model.to(device=ecfg.device, dtype=dtype).eval().requires_grad_(False)
             model.set_attn_implementation(ATTN_IMPLEMENTATION)

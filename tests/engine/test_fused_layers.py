@@ -48,10 +48,14 @@ def save_family(path, family: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("family,fused", [("llama", True), ("qwen2", True), ("mistral", True), ("qwen3", False)])
-def test_engine_logits_match_transformers(tmp_path, family, fused):
+@pytest.mark.parametrize(
+    "family,fused,switch",
+    [("llama", True, True), ("qwen2", True, True), ("mistral", True, True), ("qwen3", False, True),
+     ("qwen2", False, False), ("mistral", False, False)],  # fuse_layers=False: transformers' own layers, our attention
+)
+def test_engine_logits_match_transformers(tmp_path, family, fused, switch):
     path = save_family(tmp_path, family)
-    llm = LLM(path, device="cpu", max_num_batched_tokens=16, block_size=16)
+    llm = LLM(path, device="cpu", max_num_batched_tokens=16, block_size=16, fuse_layers=switch)
     layers = llm.engine.model.model.layers
     assert all(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused
     assert any(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused
