@@ -132,9 +132,12 @@ def fresh_copy(base: LLM):
 
 
 def packed(model):
-    """Pack the draft's linears as the engine packs the target's, so c compares like with like."""
+    """Fuse the draft's layers and pack its linears as the engine does the target's, so c
+    compares like with like."""
     from engine.cpu_linear import can_pack, pack_linears
+    from engine.fused_layers import fuse_decoder_layers
 
+    fuse_decoder_layers(model)
     if can_pack(torch.device("cpu"), next(model.parameters()).dtype):
         pack_linears(model)
     return model
