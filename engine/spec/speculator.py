@@ -64,6 +64,10 @@ class Speculator:
         self.target_cost = StepCost()  # a step (forward + verification) vs tokens and sequences
         self.draft_cost = StepCost()  # one draft-model forward vs its tokens and sequences
         self.proposer_seconds_per_token = 0.0  # model-free proposers: EMA of their cost per draft
+        # Draft model: seconds per draft step spent outside its timed forwards (layout, sampling,
+        # bookkeeping). Left out, the cost model thought a same-size draft nearly free of it and
+        # speculated at a loss (measured 0.77x with the target as its own draft).
+        self.draft_overhead_per_step = 0.0
         self.held: dict[int, int] = {}  # seq_id -> steps at k = 0 since the last probe
         self.last_c = 0.0  # Leviathan's c at the last choice with k > 0 (benchmarks report it)
         if config.adaptive:
@@ -205,9 +209,13 @@ class Speculator:
 
     def _observe_proposer(self, seconds: float, proposed: int) -> None:
         timings = getattr(self.proposer, "timings", None)
-        if timings is not None:  # the draft model: fit its forward cost
+        if timings is not None:  # the draft model: fit its forward cost, and what lies around it
             for n, batch, t in timings:
                 self.draft_cost.observe(n, batch, t)
+            if timings:
+                overhead = max(0.0, seconds - sum(t for _n, _b, t in timings)) / len(timings)
+                ema = self.draft_overhead_per_step
+                self.draft_overhead_per_step = overhead if ema == 0 else 0.8 * ema + 0.2 * overhead
             timings.clear()
         elif proposed:
             per_token = seconds / proposed
@@ -224,7 +232,8 @@ class Speculator:
         ratios = [1.0]
         for k in range(1, k_max + 1):
             if self.config.method == "draft":
-                draft = k * (self.draft_cost.predict(batch, batch) if self.draft_cost.ready else plain)
+                per_step = self.draft_cost.predict(batch, batch) if self.draft_cost.ready else plain
+                draft = k * (per_step + self.draft_overhead_per_step)
             else:
                 draft = k * batch * self.proposer_seconds_per_token
             ratios.append((target.predict(batch * (1 + k), batch) + draft) / plain)
