@@ -164,3 +164,24 @@ def test_engine_loop_takes_the_config_through_the_engine(tiny_model_dir, referen
         assert [h.result(timeout=60).outputs[0].token_ids for h in handles] == reference
     finally:
         loop.shutdown(drain_timeout=5)
+
+
+def test_auto_counts_the_draft_steps_overhead(tiny_model_dir):
+    """Time spent around the draft's forwards (layout, sampling) is measured and priced into
+    every draft step of the cost model, so a draft that is slow only outside its forward still
+    switches speculation off."""
+    llm = LLM(tiny_model_dir, device="cpu",
+              speculative_config={"method": "draft", "draft_model": tiny_model_dir, "num_speculative_tokens": 3})
+    spec = llm.engine.speculator
+    for prompt in PROMPTS[:2]:
+        llm.engine.add_request(prompt, params=GREEDY)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert llm.engine.stats["spec_draft_tokens"] > 0
+    assert spec.draft_overhead_per_step > 0  # measured around the draft's forwards
+    base = spec.step_ratios(1, 3)
+    plain = spec.target_cost.predict(1, 1)
+    spec.draft_overhead_per_step += 0.5 * plain
+    slower = spec.step_ratios(1, 3)
+    for k in (1, 2, 3):
+        assert slower[k] == pytest.approx(base[k] + k * 0.5)
