@@ -95,6 +95,20 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         return len(hits) * self.block_size
 
+    def prompt_block_keys(self, seq: Sequence, first: int, last: int) -> list[tuple[int, tuple[int, ...]]]:
+        """Prefix-cache keys of ``seq``'s full blocks ``first..last-1`` (the chain from its start)."""
+        bs = self.block_size
+        tokens = seq.token_ids
+        parent = seq.block_hashes[first - 1] if 0 < first <= len(seq.block_hashes) else _ROOT
+        start = 0 if parent == _ROOT and first > 0 else first
+        keys = []
+        for i in range(start, last):
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            parent = hash(key)
+            if i >= first:
+                keys.append(key)
+        return keys
+
     def share_prefix(self, src: Sequence, dst: Sequence, num_tokens: int) -> int:
         """Let ``dst`` (a sibling sample) reuse ``src``'s full computed blocks of a common prefix."""
         num_blocks = min(num_tokens - 1, src.num_computed_tokens) // self.block_size

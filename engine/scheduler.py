@@ -126,6 +126,8 @@ class Scheduler:
         if out.preempted:
             return out
         skipped: list[Sequence] = []
+        # Prompt blocks that requests admitted in this step are computing now (not yet cached).
+        inflight: set[tuple[int, tuple[int, ...]]] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.request.seqs[0]
@@ -156,6 +158,13 @@ class Scheduler:
                     out.failed.append((seq, self._too_large(seq)))
                     continue
                 break  # FIFO: later arrivals never jump a blocked head
+            if self._shares_inflight_prefix(seq, inflight, num_new):
+                # An earlier request in this step is computing this prompt's next block: wait one
+                # step and take it from the prefix cache instead of computing it again.
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                skipped.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             bm.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
@@ -165,6 +174,24 @@ class Scheduler:
         for seq in reversed(skipped):
             self.waiting.appendleft(seq)
         return out
+
+    def _shares_inflight_prefix(self, seq: Sequence, inflight: set, num_new: int) -> bool:
+        """True when ``seq``'s next uncomputed prompt block is being computed in this step by a
+        request admitted before it (SGLang's in-batch prefix caching: a bulk job's shared
+        instruction is computed once, not once per request of the first step). Otherwise record
+        the full prompt blocks ``seq`` computes now, for the requests after it."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or seq.num_computed_tokens % bm.block_size:
+            return False
+        first = seq.num_computed_tokens // bm.block_size
+        last = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) // bm.block_size
+        if last <= first:
+            return False
+        keys = bm.prompt_block_keys(seq, first, last)
+        if keys[0] in inflight:
+            return True
+        inflight.update(keys)
+        return False
 
     def _too_large(self, seq: Sequence) -> str:
         bm = self.block_manager

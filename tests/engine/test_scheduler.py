@@ -139,3 +139,38 @@ def test_drafts_are_scheduled_tokens_and_trimmed_to_the_budget():
     assert out.scheduled[0].num_new_tokens == 4  # 1 new token + 3 drafts that fit
     assert seq.draft_token_ids == [5, 6, 7]
     assert out.scheduled[0].samples
+
+
+def step_and_cache(sched: Scheduler, max_out: int = 4):
+    """``step`` plus what the engine does after a forward: register fully computed blocks."""
+    out = step(sched, max_out)
+    for seq in sched.running:
+        sched.block_manager.cache_full_blocks(seq)
+    return out
+
+
+def test_requests_sharing_a_prompt_prefix_in_one_step_compute_it_once():
+    """b's first two blocks are what a computes in the same step: b waits one step and takes
+    them from the prefix cache; c shares nothing and is not held back."""
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=True), 8, 64)
+    shared = [9, 8, 7, 6, 5, 4, 3, 2]
+    a = make_seq(shared + [1, 1, 1], "a")
+    c = make_seq([50, 51, 52, 53, 54, 55], "c")
+    b = make_seq(shared + [2, 2, 2, 2, 2], "b")
+    for seq in (a, c, b):
+        sched.add(seq)
+    out = step_and_cache(sched)
+    assert [(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 11), ("c", 6)]
+    out = step_and_cache(sched)
+    got = {s.seq.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert got == {"a": 1, "c": 1, "b": 5}  # b computes only what it does not share
+    assert b.request.metrics.num_cached_tokens == 8
+
+
+def test_no_hold_back_without_prefix_caching():
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), 8, 64)
+    shared = [9, 8, 7, 6, 5, 4, 3, 2]
+    for name in ("a", "b"):
+        sched.add(make_seq(shared + [1], name))
+    out = step(sched)
+    assert [(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 9), ("b", 9)]
