@@ -23,6 +23,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse
 import json
 import os
+import resource
 import subprocess
 import tempfile
 import time
@@ -77,17 +78,21 @@ def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str 
                                      "body": {"messages": conv, **params}}) + "\n")
         env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=queue, REDIS_URL=settings.broker_url)
         t0 = time.perf_counter()
+        cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", db_url, "run", str(src),
                               "-o", str(workdir / "bench.out.jsonl"), "--model", model, "--no-local-worker",
                               "--batch-name", queue], env=env, capture_output=True, text=True)
         cli_wall = time.perf_counter() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cli_cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
         if res.returncode != 0:
             raise SystemExit(res.stderr[-3000:])
         batch = client.store.get_batch(queue)
         jobs = client.store.jobs(batch.id)
         window = max(j.finished_at for j in jobs) - min(j.enqueued_at for j in jobs)
         s = summarize(jobs)
-        return {"window_s": window, "tokens": s["output_tokens"], "cli_wall_s": cli_wall, "summary": s}
+        return {"window_s": window, "tokens": s["output_tokens"], "cli_wall_s": cli_wall, "cli_cpu_s": cli_cpu,
+                "summary": s}
     finally:
         worker.stop()
 
@@ -139,7 +144,8 @@ def main() -> None:
         queued = q["tokens"] / q["window_s"]
         s = q["summary"]
         print(f"specbatch run       : {args.jobs} jobs, {q['tokens']} tokens in {q['window_s']:.2f} s "
-              f"(first enqueue -> last result) = {queued:.1f} tok/s; CLI wall {q['cli_wall_s']:.1f} s incl. start-up")
+              f"(first enqueue -> last result) = {queued:.1f} tok/s; CLI wall {q['cli_wall_s']:.1f} s incl. start-up, "
+              f"CLI CPU {q['cli_cpu_s']:.1f} s")
         print(f"  queue wait p50 {s['queue_wait_p50'] * 1e3:.0f} ms, TTFT p50 {s['ttft_p50'] * 1e3:.0f} ms "
               f"p95 {s['ttft_p95'] * 1e3:.0f} ms, TPOT p50 {s['tpot_p50'] * 1e3:.1f} ms, max batch {s['max_batch_size']}, "
               f"prefix-cached prompt tokens {s['cached_tokens']}")
