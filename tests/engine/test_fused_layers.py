@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3
 from engine import LLM, SamplingParams
 from engine.fused_layers import FusedDecoderLayer
 from engine.testing import make_byte_tokenizer, make_tiny_model
+from tests.engine.test_parity import assert_teacher_forced_match, capture_logits
 
 COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -60,26 +61,9 @@ def test_engine_logits_match_transformers(tmp_path, family, fused, switch):
     assert all(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused
     assert any(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused
 
-    records: list[tuple[str, int, torch.Tensor]] = []
-
-    def hook(sched, inputs, logits):
-        for index, first_row, num_rows in inputs.sample_rows:
-            item = sched.scheduled[index]
-            position = item.seq.num_computed_tokens + item.num_new_tokens - 1
-            records.append((item.seq.request.request_id, position, logits[first_row + num_rows - 1].clone()))
-
-    llm.engine.logits_hook = hook
+    records = capture_logits(llm)
     prompts = [list(range(40, 40 + n)) for n in (5, 23, 37)]  # longer than the window, chunked by 16
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
 
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    by_id = {out.request_id: out for out in outs}
-    full = {}
-    for request_id, position, logits in records:
-        out = by_id[request_id]
-        if request_id not in full:
-            tokens = out.prompt_token_ids + out.outputs[0].token_ids
-            with torch.no_grad():
-                full[request_id] = reference(torch.tensor([tokens])).logits[0]
-        torch.testing.assert_close(logits, full[request_id][position], atol=1e-4, rtol=1e-4)
-    assert len(records) == 3 * 12
+    assert assert_teacher_forced_match(reference, outs, records, tol=1e-4) == 3 * 12
