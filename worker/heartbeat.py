@@ -59,8 +59,10 @@ class Heartbeat:
             aborted.append(job_id)
         return aborted
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
