@@ -85,11 +85,11 @@ def line(name: str, seconds: float, tokens: int, extra: str = "") -> float:
 
 def hf_batch1(model, prompts, max_tokens: int, eos: set[int], lookup: int | None) -> tuple[float, int]:
     kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, **kwargs)
+    model.generate(torch.tensor([prompts[0]], device=model.device), max_new_tokens=2, do_sample=False, **kwargs)
     start = time.perf_counter()
     total = 0
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=model.device)
         out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos), **kwargs)
         total += useful(out[0, ids.shape[1] :].tolist(), eos, max_tokens)
     return time.perf_counter() - start, total
@@ -131,14 +131,15 @@ def fresh_copy(base: LLM):
     return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=cfg.dtype).eval()
 
 
-def packed(model):
-    """Fuse the draft's layers and pack its linears as the engine does the target's, so c
-    compares like with like."""
+def packed(model, device: torch.device):
+    """Move the draft to the target's device, fuse its layers and (on the CPU) pack its linears
+    as the engine does the target's, so c compares like with like."""
     from engine.cpu_linear import can_pack, pack_linears
     from engine.fused_layers import fuse_decoder_layers
 
+    model = model.to(device)
     fuse_decoder_layers(model)
-    if can_pack(torch.device("cpu"), next(model.parameters()).dtype):
+    if can_pack(torch.device(device), next(model.parameters()).dtype):
         pack_linears(model)
     return model
 
@@ -149,7 +150,7 @@ def perturbed_copy(base: LLM, sigma: float, seed: int):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * p.std() * sigma)
-    return packed(draft)
+    return packed(draft, base.engine.config.device)
 
 
 def truncated_copy(base: LLM, layers: int):
@@ -158,7 +159,7 @@ def truncated_copy(base: LLM, layers: int):
     draft.config.num_hidden_layers = layers
     if getattr(draft.config, "layer_types", None):
         draft.config.layer_types = draft.config.layer_types[:layers]
-    return packed(draft)
+    return packed(draft, base.engine.config.device)
 
 
 def section_draft(base: LLM, args) -> None:
@@ -261,6 +262,7 @@ def main() -> None:
     parser.add_argument("--long-tail-requests", type=int, default=32)
     parser.add_argument("--long-tail-methods", default="ngram")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (the engine picks bfloat16 there)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 is far steadier on a machine shared with other work")
     args = parser.parse_args()
@@ -268,12 +270,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     path = resolve_model(args.model)
-    base = LLM(path, device="cpu", kv_cache_memory_bytes=KV_BYTES)
-    print(f"model {args.model} on cpu, torch threads {torch.get_num_threads()}", flush=True)
+    base = LLM(path, device=args.device, kv_cache_memory_bytes=KV_BYTES)
+    print(f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}", flush=True)
     sections = {s.strip() for s in args.sections.split(",")}
     start = time.perf_counter()
     if "1" in sections:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=base.engine.config.dtype).to(args.device).eval()
         section_grounded(base, hf, args)
         del hf
     if "2" in sections:
