@@ -98,6 +98,15 @@ class Speculator:
         decode_only = len(entries) == len(sched.scheduled) and all(
             item.num_new_tokens == 1 + len(item.seq.draft_token_ids) for item in sched.scheduled
         )
+        if not any(drafts for _seq, _row0, drafts in entries):
+            # Nothing to verify (auto held every sequence at k = 0): the engine's plain sampler
+            # is the same decision at a fraction of the bookkeeping.
+            accepted_out = engine._sample(sched, inputs, logits)
+            self._count_step(sum(len(tokens) for _seq, tokens in accepted_out))
+            if decode_only:
+                seconds = engine.last_forward_seconds + time.perf_counter() - start
+                self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
+            return accepted_out
         results: list[tuple[list[int], int] | None] = [None] * len(entries)
 
         greedy = [e for e, (seq, _, _) in enumerate(entries) if seq.params.greedy]
@@ -130,9 +139,7 @@ class Speculator:
 
         accepted_out: list[tuple[Sequence, list[int]]] = []
         want_logprobs: list[tuple[Sequence, int, list[int]]] = []
-        stats = engine.stats
-        for key in STAT_KEYS:  # the engine builds its stats after its speculator
-            stats.setdefault(key, 0)
+        stats = self._stats()
         for (seq, row0, drafts), result in zip(entries, results):
             tokens, num_accepted = result
             if drafts:
@@ -159,6 +166,17 @@ class Speculator:
             seconds = engine.last_forward_seconds + time.perf_counter() - start
             self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
         return accepted_out
+
+    def _stats(self) -> dict:
+        stats = self.engine.stats
+        for key in STAT_KEYS:  # the engine builds its stats after its speculator
+            stats.setdefault(key, 0)
+        return stats
+
+    def _count_step(self, emitted: int) -> None:
+        stats = self._stats()
+        stats["spec_emitted_tokens"] += emitted
+        stats["spec_steps"] += 1
 
     def _logprobs(self, logits: torch.Tensor, items: list[tuple[Sequence, int, list[int]]]) -> None:
         """The model's logprobs of every emitted token (row j of a sequence scored token j)."""
