@@ -74,17 +74,14 @@ class BlockManager:
             return 0
         tokens = seq.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        parent = _ROOT
         hits: list[int] = []
         hashes: list[int] = []
-        for i in range(max_blocks):
-            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+        for _i, key in self._key_chain(tokens, _ROOT, 0, max_blocks):
             block_id = self.cached.get(key)
             if block_id is None:
                 break
             hits.append(block_id)
-            parent = hash(key)
-            hashes.append(parent)
+            hashes.append(hash(key))
         self.prefix_queries += 1
         if hits:
             self.prefix_hits += 1
@@ -95,19 +92,20 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         return len(hits) * self.block_size
 
+    def _key_chain(self, tokens: list[int], parent: int, start: int, stop: int):
+        """``(i, key)`` of full blocks ``start..stop-1``, each key chained to its parent's hash."""
+        bs = self.block_size
+        for i in range(start, stop):
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            yield i, key
+            parent = hash(key)
+
     def prompt_block_keys(self, seq: Sequence, first: int, last: int) -> list[tuple[int, tuple[int, ...]]]:
         """Prefix-cache keys of ``seq``'s full blocks ``first..last-1`` (the chain from its start)."""
-        bs = self.block_size
-        tokens = seq.token_ids
-        parent = seq.block_hashes[first - 1] if 0 < first <= len(seq.block_hashes) else _ROOT
-        start = 0 if parent == _ROOT and first > 0 else first
-        keys = []
-        for i in range(start, last):
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            parent = hash(key)
-            if i >= first:
-                keys.append(key)
-        return keys
+        known = 0 < first <= len(seq.block_hashes)  # the parent's hash is already on the sequence
+        parent = seq.block_hashes[first - 1] if known else _ROOT
+        chain = self._key_chain(seq.token_ids, parent, first if known else 0, last)
+        return [key for i, key in chain if i >= first]
 
     def share_prefix(self, src: Sequence, dst: Sequence, num_tokens: int) -> int:
         """Let ``dst`` (a sibling sample) reuse ``src``'s full computed blocks of a common prefix."""
@@ -157,8 +155,8 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT
-        for i in range(seq.num_hashed_blocks, min(num_full, len(seq.block_table))):
-            key = (parent, tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]))
+        stop = min(num_full, len(seq.block_table))
+        for i, key in self._key_chain(seq.token_ids, parent, seq.num_hashed_blocks, stop):
             block_id = seq.block_table[i]
             block = self.blocks[block_id]
             if key not in self.cached:

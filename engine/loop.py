@@ -170,16 +170,15 @@ class EngineLoop:
                     handle._publish(self.engine.make_output(request))
 
     def _run(self) -> None:
-        if self.engine is None:
-            try:
+        try:
+            if self.engine is None:
                 self.engine = self._factory()
-            except BaseException as exc:
-                self.error = exc
-                log.exception("building the engine failed")
-                return
-            finally:
-                self._ready.set()
-        self._ready.set()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("building the engine failed")
+            return
+        finally:
+            self._ready.set()
         try:
             while not self._stopping.is_set():
                 self._wakeup.clear()

@@ -265,13 +265,7 @@ class Store:
     def heartbeat(self, job_id: str, attempt: int) -> bool:
         """Refresh the lease; False when this attempt no longer owns the job (cancelled, or a
         newer attempt took over), which tells the caller to abort its generation."""
-        with self.engine.begin() as conn:
-            res = conn.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING)
-                .values(heartbeat_at=time.time())
-            )
-            return res.rowcount == 1
+        return job_id not in self.heartbeat_many({job_id: attempt})
 
     def heartbeat_many(self, attempts: dict[str, int]) -> set[str]:
         """Refresh the leases of many attempts ``{job id: attempt}`` in one transaction; return

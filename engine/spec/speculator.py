@@ -103,9 +103,7 @@ class Speculator:
             # is the same decision at a fraction of the bookkeeping.
             accepted_out = engine._sample(sched, inputs, logits)
             self._count_step(sum(len(tokens) for _seq, tokens in accepted_out))
-            if decode_only:
-                seconds = engine.last_forward_seconds + time.perf_counter() - start
-                self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
+            self._observe_step(sched, decode_only, start)
             return accepted_out
         results: list[tuple[list[int], int] | None] = [None] * len(entries)
 
@@ -162,10 +160,15 @@ class Speculator:
         if want_logprobs:
             self._logprobs(logits, want_logprobs)
         stats["spec_steps"] += 1
-        if decode_only:
-            seconds = engine.last_forward_seconds + time.perf_counter() - start
-            self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
+        self._observe_step(sched, decode_only, start)
         return accepted_out
+
+    def _observe_step(self, sched, decode_only: bool, start: float) -> None:
+        """Feed the step's cost (forward + verification) to the cost model, for decode steps
+        only: a prefill chunk's cost per token differs."""
+        if decode_only:
+            seconds = self.engine.last_forward_seconds + time.perf_counter() - start
+            self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
 
     def _stats(self) -> dict:
         stats = self.engine.stats
