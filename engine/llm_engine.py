@@ -18,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import StopChecker
+from engine.faults import Faults
 from engine.loader import eos_token_ids, load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -25,6 +26,7 @@ from engine.sampler import SampleRow, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
+from engine.step_recovery import StepRecovery
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ class LLMEngine:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(self.eos_ids, generator)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len)
+        self.recovery = StepRecovery(self.scheduler, self.block_manager)
+        self.faults = Faults.from_env()  # test-only switches; inert unless SPECBATCH_FAULTS is set
+        self._probed_last = False
         self.requests: dict[str, Request] = {}
         self._tokenizer_lock = threading.Lock()
         self.speculator = None
@@ -171,12 +176,19 @@ class LLMEngine:
         return request
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.recovery.has_work()
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[Request]:
-        """Run one scheduled forward; return the requests that changed (new tokens or finished)."""
-        sched = self.scheduler.schedule()
+        """Run one scheduled forward; return the requests that changed (new tokens or finished).
+
+        A step that raises fails none of its requests outright: they are recomputed and probed
+        one at a time (``StepRecovery``), so only a request that fails alone ends in error.
+        """
+        recovery = self.recovery
+        probe = recovery.has_work() and (recovery.probing is not None or not self._probed_last)
+        sched = recovery.schedule_probe() if probe else self.scheduler.schedule()
+        self._probed_last = probe
         changed: dict[str, Request] = {}
         for seq, message in sched.failed:
             self._fail(seq.request, message, changed)
@@ -194,25 +206,15 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
             metrics.num_steps += 1
             metrics.max_batch_size = max(metrics.max_batch_size, batch_size)
-        start = time.perf_counter()
-        inputs = self.runner.prepare(sched.scheduled)
         try:
-            logits = self.runner.forward(inputs)
-        except Exception as exc:  # a failed forward fails the requests in it, not the loop
-            log.exception("forward failed for %d requests", len(requests_in_step))
-            for request in requests_in_step.values():
-                self._fail(request, f"model forward failed: {type(exc).__name__}: {exc}", changed)
+            accepted = self._run_step(sched, list(requests_in_step.values()))
+        except Exception as exc:  # recompute the step's requests; fail only one that fails alone
+            error = f"model step failed: {type(exc).__name__}: {exc}"
+            log.exception("step failed for %d requests; recomputing them", len(requests_in_step))
+            self.stats["failed_steps"] = self.stats.get("failed_steps", 0) + 1
+            for request in recovery.on_failure(list(requests_in_step.values()), error):
+                self._fail(request, error, changed)
             return list(changed.values())
-        # Speculation's adaptive k fits the step's cost against its scheduled tokens.
-        self.last_forward_seconds = time.perf_counter() - start
-        if self.logits_hook is not None:
-            self.logits_hook(sched, inputs, logits)
-        for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        if self.speculator is not None:
-            accepted = self.speculator.verify(sched, inputs, logits)
-        else:
-            accepted = self._sample(sched, inputs, logits)
         for seq, tokens in accepted:
             request = seq.request
             try:
@@ -226,9 +228,34 @@ class LLMEngine:
             seq = item.seq
             if not seq.is_finished and seq.status is SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq)
+        if probe:
+            recovery.after_probe_step()
         if self.speculator is not None:
             self.speculator.propose([s for s in self.scheduler.running if not s.is_finished])
         return list(changed.values())
+
+    def _run_step(self, sched: SchedulerOutput, requests: list[Request]) -> list[tuple[Sequence, list[int]]]:
+        """Prepare, forward and sample (or verify drafts): everything that may raise in a step."""
+        start = time.perf_counter()
+        inputs = self.runner.prepare(sched.scheduled)
+        if self.faults.active:
+            self.faults.before_forward(requests, self._prompt_text)
+        logits = self.runner.forward(inputs)
+        # Speculation's adaptive k fits the step's cost against its scheduled tokens.
+        self.last_forward_seconds = time.perf_counter() - start
+        if self.logits_hook is not None:
+            self.logits_hook(sched, inputs, logits)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        if self.speculator is not None:
+            return self.speculator.verify(sched, inputs, logits)
+        return self._sample(sched, inputs, logits)
+
+    def _prompt_text(self, request: Request) -> str:
+        if request.prompt is not None:
+            return request.prompt
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(request.prompt_token_ids)
 
     def _sample(self, sched: SchedulerOutput, inputs, logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
         seqs = [sched.scheduled[i].seq for i, _row, _n in inputs.sample_rows]
@@ -264,6 +291,7 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.draft_token_ids = []
         self.scheduler.remove(seq)
+        self.recovery.discard(seq)
         if self.speculator is not None:
             self.speculator.finished(seq)
         request = seq.request

@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 _DONE = object()
 
 
+class EngineDied(RuntimeError):
+    """The loop thread crashed before this request finished: nothing about the request is
+    known to be wrong, so callers should hand it to another engine rather than fail it."""
+
+
 class RequestHandle:
     """A submitted request: a future for its final output and an iterator of new token ids."""
 
@@ -57,7 +62,8 @@ class RequestHandle:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine | None = None, *, factory: Callable[[], LLMEngine] | None = None) -> None:
+    def __init__(self, engine: LLMEngine | None = None, *, factory: Callable[[], LLMEngine] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         if (engine is None) == (factory is None):
             raise ValueError("pass an engine or a factory that builds one, not both")
         self.engine = engine
@@ -70,13 +76,16 @@ class EngineLoop:
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="specbatch-engine-loop", daemon=True)
         self.error: BaseException | None = None
+        # Called from the loop thread after a crash, once every pending handle has failed.
+        self.on_death = on_death
 
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
 
     @classmethod
-    def build(cls, factory: Callable[[], LLMEngine], timeout: float | None = None) -> "EngineLoop":
+    def build(cls, factory: Callable[[], LLMEngine], timeout: float | None = None,
+              on_death: Callable[[BaseException], None] | None = None) -> "EngineLoop":
         """Build the engine inside the loop's own thread, then start stepping; raise its load error.
 
         Why: torch's CPU ops run on an OpenMP thread team owned by the calling thread. An engine
@@ -85,7 +94,7 @@ class EngineLoop:
         every small op pays a futex wake-up: steps were ~20% slower on 2 cores (measured). All of
         the engine's torch work in one thread keeps one team.
         """
-        loop = cls(factory=factory).start()
+        loop = cls(factory=factory, on_death=on_death).start()
         if not loop._ready.wait(timeout):
             raise TimeoutError(f"the engine was not built within {timeout} s")
         if loop.engine is None:
@@ -95,6 +104,11 @@ class EngineLoop:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def died(self) -> bool:
+        """The loop crashed (as opposed to being shut down or never built)."""
+        return self.error is not None and self.engine is not None
 
     # ------------------------------------------------------------ any thread
     def submit(
@@ -179,8 +193,11 @@ class EngineLoop:
             return
         finally:
             self._ready.set()
+        faults = self.engine.faults
         try:
             while not self._stopping.is_set():
+                if faults.active:
+                    faults.check_loop(self.engine.stats["steps"])
                 self._wakeup.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
@@ -200,14 +217,37 @@ class EngineLoop:
         except BaseException as exc:  # the loop itself broke: fail everyone, loudly
             self.error = exc
             log.exception("engine loop crashed")
-            raise
         finally:
+            self._accepting = False
+            self._drain_inbox_after_exit()
             for request_id, handle in list(self._handles.items()):
+                if self.error is not None:  # died: the request is fine, the engine is not
+                    if not handle.done():
+                        handle.future.set_exception(EngineDied(f"engine loop died: {self.error!r}"))
+                    handle._tokens.put(_DONE)
+                    continue
                 request = self.engine.abort(request_id)
                 if request is not None:
-                    if self.error is not None:
-                        request.error = f"engine loop stopped: {self.error!r}"
                     handle._publish(self.engine.make_output(request))
                 elif not handle.done():
                     handle.future.set_exception(RuntimeError("engine loop stopped"))
             self._handles.clear()
+            if self.error is not None and self.on_death is not None:
+                try:
+                    self.on_death(self.error)
+                except Exception:
+                    log.exception("on_death callback failed")
+
+    def _drain_inbox_after_exit(self) -> None:
+        """Resolve whatever was submitted while the loop was exiting (never a handle that hangs)."""
+        while True:
+            try:
+                kind, payload, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" and not handle.done():
+                handle.future.set_exception(
+                    EngineDied(f"engine loop died: {self.error!r}") if self.error is not None
+                    else RuntimeError("the engine loop is shutting down")
+                )
+                handle._tokens.put(_DONE)

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from kombu import Queue
+from sqlalchemy.exc import OperationalError
 
 from .app import TASK_NAME, make_app
 from .config import Settings, queue_name
 from .embedded import ensure_broker_url
 from .formats import BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
 from .models import QUEUED, RUNNING, TERMINAL
-from .store import JOB_PAYLOAD_FIELDS, PreparedBatch, Store, job_row
+from .publish import publish_jobs
+from .store import PreparedBatch, Store, job_row
 
 CountTokens = Callable[[Request], int]
 
@@ -78,9 +79,10 @@ class Client:
         from engine.sampling_params import SamplingParams
 
         SamplingParams.from_dict(params or {})  # fail here, naming the field
+        model = model or self.model
         row = job_row(
-            id=job_id, model=model or self.model, custom_id=custom_id, messages=messages, params=params or {},
-            prompt=prompt if isinstance(prompt, str) else None,
+            id=job_id, model=model, custom_id=custom_id, messages=messages, params=params or {},
+            queue=self.queue_for(model), prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
         )
         self.store.upsert_jobs([row])
@@ -117,6 +119,7 @@ class Client:
             job_row(
                 model=model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint, prompt=r.prompt,
                 prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=r.params,
+                queue=self.queue_for(model),
             )
             for r in parsed.requests
         ]
@@ -132,55 +135,49 @@ class Client:
         return BatchSubmission(prepared.batch_id, parsed, prepared, published, time.perf_counter() - t0)
 
     def publish(self, rows: Sequence[dict[str, Any]]) -> int:
-        """Publish one task message per job row through one producer and connection."""
-        if not rows:
-            return 0
-        amqp = self.app.amqp
-        queues: dict[str, Queue] = {}
-        with self.app.producer_or_acquire() as producer, producer.batch(max_size=2000):
-            # kombu >= 5.7 buffers these in one non-transactional Redis pipeline per 2000
-            # commands (task LPUSH + task-sent event PUBLISH) instead of a round trip each.
-            for row in rows:
-                qname = self.queue_for(row["model"])
-                queue = queues.get(qname)
-                if queue is None:
-                    queue = queues[qname] = Queue(qname, routing_key=qname)
-                payload = {k: row.get(k) for k in JOB_PAYLOAD_FIELDS}
-                message = amqp.create_task_message(
-                    row["id"], TASK_NAME, (row["id"], payload), {}, create_sent_event=True,
-                    ignore_result=True, argsrepr=repr((row["id"],)), kwargsrepr="{}",
-                )
-                amqp.send_task_message(producer, TASK_NAME, message, queue=queue, declare=[queue],
-                                       retry=False)
-        return len(rows)
+        """Publish one task message per job row through one producer and connection, retrying
+        while Redis restarts; rows that never reach it stay queued in the store, and a worker's
+        orphan sweep publishes them after its grace period."""
+        return publish_jobs(self.app, rows, lambda row: row.get("queue") or self.queue_for(row["model"]))
 
     # ---- follow ------------------------------------------------------------------------
     def wait(self, job_or_batch: str, *, timeout: float | None = None, poll: float = 0.25) -> dict[str, int] | str:
         """Block until a job (returns its status) or a batch (returns its counts) is done."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            batch = self.store.get_batch(job_or_batch)
-            if batch is not None:
-                counts = self.store.refresh_batch(batch.id)
-                if counts[QUEUED] == 0 and counts[RUNNING] == 0:
-                    return counts
-            else:
-                job = self.store.get_job(job_or_batch)
-                if job is None:
-                    raise KeyError(f"no job or batch {job_or_batch!r}")
-                if job.status in TERMINAL:
-                    return job.status
+            try:
+                done = self._poll_done(job_or_batch)
+            except OperationalError:  # the database is away for a while: keep waiting
+                done = None
+            if done is not None:
+                return done
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{job_or_batch} not finished after {timeout} s")
             time.sleep(poll)
+
+    def _poll_done(self, job_or_batch: str) -> dict[str, int] | str | None:
+        """The final status or counts of a job or batch, or None while it is not done."""
+        batch = self.store.get_batch(job_or_batch)
+        if batch is not None:
+            counts = self.store.refresh_batch(batch.id)
+            return counts if counts[QUEUED] == 0 and counts[RUNNING] == 0 else None
+        job = self.store.get_job(job_or_batch)
+        if job is None:
+            raise KeyError(f"no job or batch {job_or_batch!r}")
+        return job.status if job.status in TERMINAL else None
 
     def iter_results(self, batch_id: str, *, poll: float = 0.25, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Output lines as jobs finish (each once), until the batch is done."""
         seen: set[str] = set()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            counts = self.store.batch_counts(batch_id)
-            for job in self.store.jobs(batch_id, statuses=TERMINAL):
+            try:
+                counts = self.store.batch_counts(batch_id)
+                finished = self.store.jobs(batch_id, statuses=TERMINAL)
+            except OperationalError:  # the database is away for a while: keep waiting
+                time.sleep(poll)
+                continue
+            for job in finished:
                 if job.id not in seen:
                     seen.add(job.id)
                     yield output_line(job)
@@ -193,10 +190,6 @@ class Client:
     def results(self, batch_id: str) -> list[dict[str, Any]]:
         """Output lines of every finished job, in input-line order."""
         return [output_line(j) for j in self.store.jobs(batch_id, statuses=TERMINAL)]
-
-    def requeue_stale(self, batch_id: str, lease_s: float) -> int:
-        """Re-publish jobs whose worker stopped heartbeating (the copy claims a new attempt)."""
-        return self.publish(self.store.requeue_stale(batch_id, lease_s))
 
     def cancel(self, job_or_batch: str) -> list[str]:
         """Cooperative cancel: mark jobs cancelled, and ask workers to abort running ones."""

@@ -48,6 +48,7 @@ class Job(Base):
     __table_args__ = (
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
         Index("ix_jobs_batch_status", "batch_id", "status"),
+        Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -61,7 +62,12 @@ class Job(Base):
     messages: Mapped[list[Any] | None]
     params: Mapped[dict[str, Any] | None]
     status: Mapped[str] = mapped_column(String(16), default=QUEUED, index=True)
+    # ``attempts`` only grows: it is the fence every write names. Attempts given back without
+    # blame (a drain, a dying engine, ``--retry-failed``) are counted in ``attempts_forgiven``,
+    # and only the difference counts against ``max_attempts``.
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    attempts_forgiven: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    queue: Mapped[str | None] = mapped_column(String(255))  # the Redis queue its messages go to
     worker: Mapped[str | None] = mapped_column(String(255))
     device: Mapped[str | None] = mapped_column(String(64))
     # results
@@ -75,6 +81,8 @@ class Job(Base):
     enqueued_at: Mapped[float | None]
     started_at: Mapped[float | None]
     heartbeat_at: Mapped[float | None]
+    published_at: Mapped[float | None]  # last time a message for it was sent
+    recovered_at: Mapped[float | None]  # last time a lost or drained attempt was put back in the queue
     first_scheduled_at: Mapped[float | None]
     first_token_at: Mapped[float | None]
     finished_at: Mapped[float | None]
@@ -92,3 +100,28 @@ class Job(Base):
     num_preemptions: Mapped[int | None]
     num_steps: Mapped[int | None]
     max_batch_size: Mapped[int | None]
+
+
+# Worker states, as ``specbatch status`` shows them.
+W_STARTING, W_READY, W_DRAINING, W_STOPPED, W_FAILED = "starting", "ready", "draining", "stopped", "failed"
+
+
+class Worker(Base):
+    """One worker process by node name: a crash-looping worker shows as many starts and
+    failures with its last error, whoever restarts it."""
+
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    host: Mapped[str | None] = mapped_column(String(255))
+    pid: Mapped[int | None]
+    device: Mapped[str | None] = mapped_column(String(64))
+    queue: Mapped[str | None] = mapped_column(String(255))
+    model: Mapped[str | None] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    starts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    started_at: Mapped[float | None]
+    heartbeat_at: Mapped[float | None]
+    stopped_at: Mapped[float | None]

@@ -21,7 +21,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate
 from .config import env
-from .models import CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, Batch, Job
+from .models import (CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, W_FAILED, W_STARTING,
+                     W_STOPPED, Batch, Job, Worker)
 
 INVALID_INPUT = "invalid_input"  # error_type of a bad input line (never enqueued)
 
@@ -39,9 +40,17 @@ def normalize_url(url: str) -> str:
     return url
 
 
+#: Execution option of the read-only engine view: on SQLite its transactions begin DEFERRED.
+READ_ONLY = "specbatch_read_only"
+#: Rows per transaction when a batch is written: a large submit never holds SQLite's one write
+#: lock for long, so heartbeats and claims interleave with it.
+INSERT_CHUNK = 1000
+
+
 def make_engine(url: str) -> Engine:
     """An engine with SQLite made fit for many writer threads (WAL, busy timeout, and
-    ``BEGIN IMMEDIATE`` so a read-then-write never dies on a lock upgrade)."""
+    ``BEGIN IMMEDIATE`` for writes so a read-then-write never dies on a lock upgrade; reads,
+    through the ``READ_ONLY`` view, begin DEFERRED and never wait for the write lock)."""
     url = normalize_url(url)
     if make_url(url).get_backend_name() != "sqlite":
         return create_engine(url, pool_size=4, max_overflow=16, pool_timeout=120, pool_pre_ping=True)
@@ -60,7 +69,8 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _sqlite_begin(conn) -> None:  # pragma: no cover - trivial
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        read_only = conn.get_execution_options().get(READ_ONLY, False)
+        conn.exec_driver_sql("BEGIN DEFERRED" if read_only else "BEGIN IMMEDIATE")
 
     return engine
 
@@ -94,7 +104,8 @@ class Store:
     def __init__(self, url: str, *, auto_upgrade: bool | None = None) -> None:
         self.url = normalize_url(url)
         self.engine = make_engine(self.url)
-        self.Session = sessionmaker(self.engine, expire_on_commit=False)
+        self.reader = self.engine.execution_options(**{READ_ONLY: True})  # same pool, no write lock
+        self.Session = sessionmaker(self.reader, expire_on_commit=False)
         self.dialect = self.engine.dialect.name
         if auto_upgrade is None:
             auto_upgrade = self.dialect == "sqlite" or env("AUTO_MIGRATE", "0") == "1"
@@ -145,11 +156,14 @@ class Store:
         params: dict[str, Any] | None = None,
         retry_failed: bool = False,
     ) -> PreparedBatch:
-        """Create (or reopen, by ``name``) a batch and write all its rows in ONE transaction.
+        """Create (or reopen, by ``name``) a batch and write its rows, ``INSERT_CHUNK`` rows per
+        transaction (one long transaction would hold SQLite's write lock and starve heartbeats).
 
         Reopening skips what already succeeded (matched by custom_id), keeps failures unless
-        ``retry_failed``, and re-enqueues what is still queued or running (a duplicate message
-        is harmless). Bad input lines are stored as failed jobs so exports have every line.
+        ``retry_failed`` (which also gives them fresh attempts), and re-enqueues what is still
+        queued or running (a duplicate message is harmless). Bad input lines are stored as
+        failed jobs so exports have every line. A crash half-way leaves a prefix of the rows:
+        reopening the batch by name writes the rest.
         """
         now = time.time()
         with self.engine.begin() as conn:
@@ -167,60 +181,55 @@ class Store:
                 )
             else:
                 conn.execute(update(Batch).where(Batch.id == batch_id).values(finished_at=None, input_file=input_file))
-            prepared = PreparedBatch(batch_id=batch_id)
             conn.execute(delete(Job).where(Job.batch_id == batch_id, Job.error_type == INVALID_INPUT))
+        prepared = PreparedBatch(batch_id=batch_id)
+        with self.reader.connect() as conn:
             existing = {
                 r.custom_id: r
                 for r in conn.execute(select(Job.id, Job.custom_id, Job.status).where(Job.batch_id == batch_id))
             }
-            new_rows: list[dict[str, Any]] = []
-            requeue_ids: list[str] = []
-            for row in rows:
-                old = existing.get(row["custom_id"])
-                if old is None:
-                    r = dict(row, batch_id=batch_id, enqueued_at=now, status=QUEUED)
-                    new_rows.append(r)
-                    prepared.to_enqueue.append(r)
-                elif old.status == SUCCEEDED:
-                    prepared.skipped_succeeded += 1
-                elif old.status in (FAILED, CANCELLED) and not retry_failed:
-                    prepared.skipped_failed += 1
-                else:
-                    requeue_ids.append(old.id)
-                    prepared.to_enqueue.append(dict(row, id=old.id, batch_id=batch_id, enqueued_at=now))
-            self.upsert_jobs(new_rows, conn=conn)
-            for chunk in _chunks(requeue_ids, 500):
-                # Retried failures go back to queued; queued/running rows keep their status
-                # (a running attempt stays fenced by its attempt number).
+        new_rows: list[dict[str, Any]] = []
+        requeue_ids: list[str] = []
+        for row in rows:
+            old = existing.get(row["custom_id"])
+            if old is None:
+                r = dict(row, batch_id=batch_id, enqueued_at=now, published_at=now, status=QUEUED)
+                new_rows.append(r)
+                prepared.to_enqueue.append(r)
+            elif old.status == SUCCEEDED:
+                prepared.skipped_succeeded += 1
+            elif old.status in (FAILED, CANCELLED) and not retry_failed:
+                prepared.skipped_failed += 1
+            else:
+                requeue_ids.append(old.id)
+                prepared.to_enqueue.append(dict(row, id=old.id, batch_id=batch_id, enqueued_at=now))
+        for chunk in _chunks(new_rows, INSERT_CHUNK):
+            self.upsert_jobs(chunk)
+        for chunk in _chunks(requeue_ids, INSERT_CHUNK):
+            with self.engine.begin() as conn:
+                # Retried failures go back to queued with fresh attempts (the fence still only
+                # grows); queued/running rows keep their status (a running attempt stays fenced).
                 conn.execute(
                     update(Job)
                     .where(Job.id.in_(chunk), Job.status.in_((FAILED, CANCELLED)))
                     .values(status=QUEUED, error=None, error_type=None, finish_reason=None, finished_at=None,
-                            enqueued_at=now)
+                            enqueued_at=now, attempts_forgiven=Job.attempts)
                 )
-            bad = [
-                dict(r, batch_id=batch_id, status=FAILED, error_type=INVALID_INPUT, enqueued_at=now, finished_at=now)
-                for r in invalid_rows
-            ]
-            self.upsert_jobs(bad, conn=conn)
-            prepared.invalid = len(bad)
+                conn.execute(update(Job).where(Job.id.in_(chunk)).values(published_at=now))
+        bad = [
+            dict(r, batch_id=batch_id, status=FAILED, error_type=INVALID_INPUT, enqueued_at=now, finished_at=now)
+            for r in invalid_rows
+        ]
+        for chunk in _chunks(bad, INSERT_CHUNK):
+            self.upsert_jobs(chunk)
+        prepared.invalid = len(bad)
         self.refresh_batch(batch_id)
         return prepared
-
-    def requeue_stale(self, batch_id: str, lease_s: float) -> list[dict[str, Any]]:
-        """Running jobs whose worker stopped heartbeating: their payloads, to publish again."""
-        cutoff = time.time() - lease_s
-        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS]
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(*cols).where(Job.batch_id == batch_id, Job.status == RUNNING, Job.heartbeat_at < cutoff)
-            ).mappings().all()
-        return [dict(r) for r in rows]
 
     # ---- worker side -------------------------------------------------------------------
     def claim(
         self, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
-        payload: dict[str, Any] | None = None,
+        payload: dict[str, Any] | None = None, queue: str | None = None,
     ) -> Claim:
         """Start a new attempt of ``job_id``, or say why not (done, live elsewhere, …).
 
@@ -230,7 +239,7 @@ class Store:
             now = time.time()
             with self.engine.begin() as conn:
                 row = conn.execute(
-                    select(Job.status, Job.attempts, Job.heartbeat_at).where(Job.id == job_id)
+                    select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven).where(Job.id == job_id)
                 ).first()
                 if row is None:
                     if payload is None:
@@ -238,17 +247,19 @@ class Store:
                     # The message carries the payload: recreate a row lost with its database.
                     self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
                     continue
-                status, attempts, heartbeat = row
+                status, attempts, heartbeat, forgiven = row
                 if status in TERMINAL:
                     return Claim(None, f"already {status}")
                 if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
+                    # Safe to drop this copy: if that attempt dies, the lease reaper re-publishes.
                     return Claim(None, "running in another live attempt")
-                if attempts >= max_attempts:
+                if attempts - (forgiven or 0) >= max_attempts:
                     conn.execute(
                         update(Job)
                         .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
                         .values(status=FAILED, finished_at=now, error_type="attempts_exhausted",
-                                error=f"gave up after {attempts} attempts (worker lost mid-job?)")
+                                error=f"gave up after {attempts - (forgiven or 0)} attempts: each one's worker "
+                                      "died or lost its lease mid-job")
                     )
                     return Claim(None, "attempts exhausted")
                 res = conn.execute(
@@ -256,7 +267,7 @@ class Store:
                     .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
                     .values(status=RUNNING, attempts=attempts + 1, worker=worker, device=device,
                             started_at=now, heartbeat_at=now, error=None, error_type=None,
-                            queue_wait_s=now - Job.enqueued_at)
+                            queue_wait_s=now - Job.enqueued_at, queue=func.coalesce(queue, Job.queue))
                 )
                 if res.rowcount == 1:
                     return Claim(attempts + 1)
@@ -300,6 +311,121 @@ class Store:
         return self.finish(
             job_id, attempt, {"status": FAILED, "error": error, "error_type": error_type, "finished_at": time.time()}
         )
+
+    def give_back(self, job_id: str, attempt: int, reason: str, *, forgive: bool = True) -> bool:
+        """Put a running attempt's job back in the queue at once (drain, a dying engine).
+
+        ``forgive`` keeps the attempt from counting against ``max_attempts``. The caller has
+        stopped generating it and publishes a new message right after; False means this
+        attempt no longer owns the job (cancelled, reaped, superseded): publish nothing.
+        """
+        now = time.time()
+        values: dict[str, Any] = dict(status=QUEUED, heartbeat_at=None, recovered_at=now, published_at=now,
+                                      error=f"given back: {reason}", error_type=None)
+        if forgive:
+            values["attempts_forgiven"] = Job.attempts_forgiven + 1
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                update(Job).where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING).values(**values)
+            )
+            return res.rowcount == 1
+
+    def reap_expired(self, lease_s: float, queues: Sequence[str], max_attempts: int,
+                     limit: int = 1000) -> list[dict[str, Any]]:
+        """Running jobs in ``queues`` whose lease expired go back to queued (or fail, attempts
+        used up); returns the rows to publish again.
+
+        Every reaper in every worker runs this; a compare-and-swap on (status, attempts,
+        heartbeat) lets exactly one of them win each job.
+        """
+        now = time.time()
+        cutoff = now - lease_s
+        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue, Job.attempts, Job.attempts_forgiven]
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(*cols).where(Job.status == RUNNING, Job.heartbeat_at < cutoff, Job.queue.in_(list(queues)))
+                .limit(limit)
+            ).mappings().all()
+        requeued: list[dict[str, Any]] = []
+        for row in rows:
+            lost = f"lease expired: the worker stopped heartbeating for {lease_s:.0f} s (crashed or killed?)"
+            exhausted = row["attempts"] - (row["attempts_forgiven"] or 0) >= max_attempts
+            values: dict[str, Any] = (
+                dict(status=FAILED, finished_at=now, error_type="attempts_exhausted",
+                     error=f"gave up after {row['attempts']} attempts; last: {lost}")
+                if exhausted else
+                dict(status=QUEUED, heartbeat_at=None, recovered_at=now, published_at=now, error=lost)
+            )
+            with self.engine.begin() as conn:
+                res = conn.execute(
+                    update(Job)
+                    .where(Job.id == row["id"], Job.status == RUNNING, Job.attempts == row["attempts"],
+                           Job.heartbeat_at < cutoff)
+                    .values(**values)
+                )
+            if res.rowcount == 1 and not exhausted:
+                requeued.append(dict(row))
+        return requeued
+
+    def stale_queued(self, grace_s: float, queues: Sequence[str], limit: int = 100_000) -> list[dict[str, Any]]:
+        """Queued jobs in ``queues`` last published more than ``grace_s`` ago (their message
+        may be lost: a Redis restarted without persistence, a publish that never happened)."""
+        cutoff = time.time() - grace_s
+        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(*cols).where(
+                    Job.status == QUEUED, Job.queue.in_(list(queues)),
+                    func.coalesce(Job.published_at, Job.enqueued_at) < cutoff,
+                ).limit(limit)
+            ).mappings().all()
+        return [dict(r) for r in rows]
+
+    def mark_published(self, job_ids: Sequence[str], *, recovered: bool = False) -> None:
+        now = time.time()
+        values: dict[str, Any] = {"published_at": now}
+        if recovered:
+            values["recovered_at"] = now
+        for chunk in _chunks(list(job_ids), 500):
+            with self.engine.begin() as conn:
+                conn.execute(update(Job).where(Job.id.in_(chunk), Job.status == QUEUED).values(**values))
+
+    # ---- workers -----------------------------------------------------------------------
+    def worker_starting(self, name: str, **info: Any) -> None:
+        """Record a worker process starting (a restart of the same name counts up ``starts``)."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            found = conn.execute(select(Worker.name).where(Worker.name == name)).first()
+            values = dict(info, state=W_STARTING, error=None, started_at=now, heartbeat_at=now, stopped_at=None)
+            if found is None:
+                conn.execute(self._insert(Worker).values(name=name, starts=1, failures=0, **values))
+            else:
+                conn.execute(update(Worker).where(Worker.name == name).values(starts=Worker.starts + 1, **values))
+
+    def worker_state(self, name: str, state: str, error: str | None = None) -> None:
+        now = time.time()
+        values: dict[str, Any] = dict(state=state, heartbeat_at=now)
+        if error is not None:
+            values["error"] = error
+        if state in (W_STOPPED, W_FAILED):
+            values["stopped_at"] = now
+        if state == W_FAILED:
+            values["failures"] = Worker.failures + 1
+        with self.engine.begin() as conn:
+            conn.execute(update(Worker).where(Worker.name == name).values(**values))
+
+    def worker_beat(self, name: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(Worker).where(Worker.name == name).values(heartbeat_at=time.time()))
+
+    def workers(self) -> list[Worker]:
+        with self.Session() as s:
+            return list(s.scalars(select(Worker).order_by(Worker.name)))
+
+    def running_counts_by_worker(self) -> dict[str, int]:
+        with self.reader.connect() as conn:
+            rows = conn.execute(select(Job.worker, func.count()).where(Job.status == RUNNING).group_by(Job.worker))
+            return {w: n for w, n in rows if w}
 
     # ---- control -----------------------------------------------------------------------
     def cancel(self, *, job_ids: Iterable[str] = (), batch_id: str | None = None) -> tuple[list[str], list[str]]:
@@ -350,7 +476,7 @@ class Store:
             return list(s.scalars(select(Batch).order_by(Batch.created_at.desc()).limit(limit)))
 
     def batch_counts(self, batch_id: str) -> dict[str, int]:
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             rows = conn.execute(
                 select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status)
             ).all()
@@ -361,7 +487,7 @@ class Store:
     def batch_progress(self, batch_id: str) -> dict[str, float]:
         """Counts plus output tokens and the generation window, for a live progress bar."""
         counts = self.batch_counts(batch_id)
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             tokens, first, last = conn.execute(
                 select(func.coalesce(func.sum(Job.num_output_tokens), 0), func.min(Job.started_at),
                        func.max(Job.finished_at))
@@ -398,6 +524,7 @@ def job_row(
     error: str | None = None,
     error_type: str | None = None,
     finished_at: float | None = None,
+    queue: str | None = None,
 ) -> dict[str, Any]:
     """A complete ``jobs`` row as a dict (every row of a bulk insert has the same keys)."""
     return {
@@ -413,7 +540,10 @@ def job_row(
         "params": params or {},
         "status": status,
         "attempts": 0,
+        "attempts_forgiven": 0,
+        "queue": queue,
         "enqueued_at": enqueued_at if enqueued_at is not None else time.time(),
+        "published_at": enqueued_at if enqueued_at is not None else time.time(),
         "error": error,
         "error_type": error_type,
         "finished_at": finished_at,
