@@ -20,6 +20,8 @@ def _settings(broker_url: str) -> dict:
     return dict(
         broker_url=broker_url,
         broker_connection_retry_on_startup=True,
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,  # a restarting Redis is waited for, never given up on
         # Redis redelivers unacked messages after this long; it must outlast the longest job,
         # and kombu/celery read it from three places (celery#7651), so set all of them.
         broker_transport_options={"visibility_timeout": vt},
@@ -29,7 +31,10 @@ def _settings(broker_url: str) -> dict:
         result_serializer="json",
         accept_content=["json"],
         event_serializer="json",
-        task_acks_late=True,  # ack only after the result is in the store
+        task_acks_late=True,  # ack only after the result (or the give-back) is in the store
+        # A task raises only when the store stayed unreachable past DB_RETRY_SECONDS; its message
+        # is then dropped either way on Redis (reject without requeue is an ack), and the job,
+        # still running or queued in the store, comes back through the reaper. The store decides.
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,  # with acks_late: one reserved message per thread
         worker_send_task_events=True,
@@ -37,7 +42,9 @@ def _settings(broker_url: str) -> dict:
         task_track_started=True,
         task_ignore_result=True,
         result_backend=None,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # Results are fenced by attempt, so a task outliving a broker reconnect just finishes;
+        # its late ack is a no-op on a restarted Redis.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_pool="threads",  # one process, one engine; threads hand requests to its loop
         task_default_queue=default_queue,
         task_queues=[Queue(default_queue, routing_key=default_queue)],

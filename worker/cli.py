@@ -116,12 +116,12 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
 
 
 def _follow(client, batch_id: str, started: float, worker, timeout: float | None) -> None:
-    from .tasks import lease_seconds
-
+    """Show progress until the batch is done. Recovery needs nobody here: workers reap dead
+    workers' jobs themselves; the local worker, if any, is restarted as a supervisor would."""
     store = client.store
     first = store.batch_progress(batch_id)
     total = sum(first[s] for s in ("queued", "running", "succeeded", "failed", "cancelled"))
-    last_requeue = time.monotonic()
+    restarts_seen = 0
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("failed {task.fields[failed]}"), TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as bar:
@@ -134,13 +134,17 @@ def _follow(client, batch_id: str, started: float, worker, timeout: float | None
             bar.update(task, completed=done, failed=prog["failed"], tps=tps)
             if prog["queued"] == 0 and prog["running"] == 0:
                 return
-            if worker is not None and not worker.alive:
-                raise click.ClickException(f"the local worker exited with {worker.proc.returncode}; see {worker.log_path}")
+            if worker is not None:
+                if not worker.keep_alive():
+                    raise click.ClickException(
+                        f"the local worker exited with {worker.proc.returncode} after {worker.restarts} restarts; "
+                        f"see {worker.log_path}")
+                if worker.restarts > restarts_seen:
+                    restarts_seen = worker.restarts
+                    console.print(f"[yellow]the local worker exited with {worker.proc.returncode}[/]; "
+                                  f"restarted ({worker.restarts}); see {worker.log_path}")
             if timeout is not None and time.time() - started > timeout:
                 raise click.ClickException(f"timed out after {timeout} s with {prog['queued'] + prog['running']} jobs left")
-            if time.monotonic() - last_requeue > lease_seconds():
-                last_requeue = time.monotonic()
-                client.requeue_stale(batch_id, lease_seconds())
             time.sleep(0.25)
 
 
@@ -200,8 +204,11 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, custom_id, wait_s)
 @click.option("--speculative", default=None, envvar="SPECBATCH_SPECULATIVE",
               help="Speculative decoding METHOD[:K]: ngram, suffix or draft; K an integer or auto.")
 @click.option("--draft-model", default=None, envvar="SPECBATCH_DRAFT_MODEL", help="Draft model for --speculative draft.")
+@click.option("--drain-timeout", type=float, default=None, envvar="SPECBATCH_DRAIN_TIMEOUT",
+              help="On SIGTERM, seconds running jobs get to finish before they go back to the queue (default 30).")
 @click.pass_context
-def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model):
+def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
+           drain_timeout):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
     _speculation_env(speculative, draft_model)
     from .runtime import pin_device, worker_name
@@ -218,6 +225,9 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     from .embedded import ensure_broker_url
 
     settings = Settings.resolve(broker_url=ctx.obj["broker_url"], model=model, device=device, queue=queue)
+    os.environ["SPECBATCH_QUEUE"] = settings.queue_name  # where this worker gives jobs back
+    if drain_timeout is not None:
+        os.environ["SPECBATCH_DRAIN_TIMEOUT"] = str(drain_timeout)
     broker = ensure_broker_url(settings.broker_url)
     from .app import app, configure
 
@@ -253,6 +263,7 @@ def status(ctx, batch):
 
     store = Store(ctx.obj["database_url"] or database_url_from_env())
     if batch is None:
+        _print_workers(store)
         table = Table("batch", "name", "model", "total", "queued", "running", "ok", "failed", "cancelled", "finished")
         for b in store.batches():
             c = store.refresh_batch(b.id)
@@ -274,6 +285,25 @@ def status(ctx, batch):
     store.refresh_batch(b.id)
     console.print(f"batch {b.id} ({b.name}) model {b.model}")
     _print_summary(store.jobs(b.id), None, None)
+
+
+def _print_workers(store) -> None:
+    """Workers by node name: a crash-looping one shows many starts and failures, its last error."""
+    workers = store.workers()
+    if not workers:
+        return
+    running = store.running_counts_by_worker()
+    now = time.time()
+    table = Table("worker", "device", "queue", "state", "running jobs", "last heartbeat", "starts", "failures",
+                  "last error", title="workers")
+    for w in workers:
+        beat = f"{now - w.heartbeat_at:.0f} s ago" if w.heartbeat_at else "-"
+        state = w.state
+        if w.failures >= 3 and w.state in ("failed", "starting"):
+            state = f"[red]{w.state} (crash loop?)[/]"
+        table.add_row(w.name, w.device or "", w.queue or "", state, str(running.get(w.name, 0)), beat,
+                      str(w.starts), str(w.failures), (w.error or "")[:80])
+    console.print(table)
 
 
 @cli.command()

@@ -39,12 +39,34 @@ class LocalWorker:
         if max_num_seqs:
             cmd += ["--max-num-seqs", str(max_num_seqs)]
         self.log_path = log_path
+        self._cmd, self._env = cmd, env
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log, cwd=os.getcwd())
+        self.restarts = 0
+        self._next_start = 0.0
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self._cmd, env=self._env, stdout=self._log, stderr=self._log, cwd=os.getcwd())
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def keep_alive(self, max_restarts: int = 10) -> bool:
+        """Restart the worker if it exited, with exponential backoff (1, 2, 4 … 30 s), as a
+        supervisor would; False once it has been restarted ``max_restarts`` times."""
+        if self.alive:
+            return True
+        now = time.monotonic()
+        if self._next_start == 0.0:
+            if self.restarts >= max_restarts:
+                return False
+            self._next_start = now + min(30.0, 2.0 ** self.restarts)
+        if now >= self._next_start:
+            self.restarts += 1
+            self._next_start = 0.0
+            self.proc = self._spawn()
+        return True
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """Warm shutdown (SIGTERM: finish running tasks), then kill after ``timeout``."""

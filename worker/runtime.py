@@ -13,14 +13,20 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import signals
 
-from .config import database_url_from_env, env, model_from_env
+from .config import database_url_from_env, env, model_from_env, queue_name
 
 log = logging.getLogger(__name__)
+
+#: Exit codes a supervisor sees (all non-zero, so systemd/Kubernetes/compose restart us).
+EXIT_ENGINE_BUILD_FAILED = 3
+EXIT_ENGINE_DIED = 4
+EXIT_STORE_UNREACHABLE = 5
 
 
 def pin_device(device: str) -> tuple[str, str]:
@@ -84,9 +90,13 @@ class Runtime:
     label: str  # what the store records ("cpu", "cuda:1")
     llm: Any
     loop: Any
+    queue: str = ""  # the queue this worker consumes (where given-back jobs go)
     inflight: dict[str, str] = field(default_factory=dict)  # job id -> engine request id
     lock: threading.Lock = field(default_factory=threading.Lock)
     heartbeat: Any = None  # the process's Heartbeat, started with the first job
+    reaper: Any = None  # the process's Reaper (worker processes only)
+    draining: bool = False  # warm shutdown began: hand new messages back, give back what is left
+    dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
 
     def heartbeats(self, store: Any, interval: float) -> Any:
         """The process's one ``Heartbeat`` (refreshing every running job's lease), started once."""
@@ -114,7 +124,7 @@ _store = None
 
 
 def start(model: str | None = None, device: str | None = None, **engine_kwargs: Any) -> Runtime:
-    """Load the model and start its loop (once per process)."""
+    """Load the model and start its loop (once per process); raise if the engine cannot be built."""
     global _runtime
     with _lock:
         if _runtime is not None:
@@ -128,9 +138,11 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs: 
         kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
         log.info("loading %s on %s (%s)", model, label, kwargs)
         # The engine is built in the loop's thread: all torch work in one thread (see EngineLoop.build).
-        loop = EngineLoop.build(lambda: LLM(resolve_model(model), device=engine_device, **kwargs).engine)
+        loop = EngineLoop.build(lambda: LLM(resolve_model(model), device=engine_device, **kwargs).engine,
+                                on_death=_on_engine_death)
         llm = LLM.from_engine(loop.engine)
-        _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop)
+        _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop,
+                           queue=env("QUEUE") or queue_name(model))
         return _runtime
 
 
@@ -150,6 +162,8 @@ def stop(drain_timeout: float = 30.0) -> None:
             _runtime.loop.shutdown(drain_timeout=drain_timeout)
             if _runtime.heartbeat is not None:
                 _runtime.heartbeat.stop()
+            if _runtime.reaper is not None:
+                _runtime.reaper.stop()
             _runtime = None
 
 
@@ -164,13 +178,113 @@ def store():
         return _store
 
 
+_worker_name: str | None = None
+
+
+def drain_timeout() -> float:
+    return float(env("DRAIN_TIMEOUT", "30"))
+
+
+def _record_state(state: str, error: str | None = None) -> None:
+    if _worker_name is None:
+        return
+    try:
+        store().worker_state(_worker_name, state, error)
+    except Exception:
+        log.warning("could not record worker state %s", state, exc_info=True)
+
+
+def _exit(code: int, why: str) -> None:
+    """Leave now with ``code`` so the supervisor restarts this worker."""
+    log.critical("worker exiting with %d: %s", code, why)
+    logging.shutdown()
+    os._exit(code)
+
+
 @signals.worker_init.connect
-def _load_at_worker_start(**_: Any) -> None:
-    if env("LOAD_AT_START", "1") == "1":
-        store()
-        start()
+def _load_at_worker_start(sender=None, **_: Any) -> None:
+    """Build the engine before the consumer starts; a worker that cannot serve never says
+    ready and never takes a message: it records why and exits non-zero."""
+    global _worker_name
+    if env("LOAD_AT_START", "1") != "1":
+        return
+    _worker_name = getattr(sender, "hostname", None) or worker_name(env("DEVICE", "cpu"))
+    model = model_from_env()
+    info = dict(host=socket.gethostname(), pid=os.getpid(), device=env("DEVICE", "cpu"),
+                queue=env("QUEUE") or queue_name(model), model=model)
+    deadline = time.monotonic() + float(env("DB_RETRY_SECONDS", "300"))
+    while True:
+        try:
+            store().worker_starting(_worker_name, **info)
+            break
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                _exit(EXIT_STORE_UNREACHABLE, f"database unreachable: {exc!r}")
+            log.warning("database unreachable at start (%r); retrying", exc)
+            time.sleep(2.0)
+    try:
+        rt = start()
+    except BaseException as exc:
+        log.exception("building the engine failed")
+        _record_state("failed", f"engine could not be built: {exc!r}")
+        _exit(EXIT_ENGINE_BUILD_FAILED, f"engine could not be built: {exc!r}")
+        return
+    _start_maintenance(rt)
+    _record_state("ready")
+
+
+def _start_maintenance(rt: Runtime) -> None:
+    """The heartbeat (leases of running jobs) and the reaper (sweeps once now, then every interval)."""
+    from .app import app
+    from .reaper import Reaper
+    from .tasks import heartbeat_seconds, lease_seconds, max_attempts
+
+    rt.heartbeats(store(), heartbeat_seconds())
+    rt.reaper = Reaper(store(), app, [rt.queue], worker=_worker_name or rt.label, lease_s=lease_seconds(),
+                       max_attempts=max_attempts()).start()
+
+
+def _on_engine_death(exc: BaseException) -> None:
+    """The loop thread died: stop taking work; task threads give their jobs back (they get
+    ``EngineDied``); once they have, exit non-zero so the supervisor restarts us."""
+    rt = _runtime
+    if rt is not None:
+        rt.dead = True
+    _record_state("failed", f"engine loop died: {exc!r}")
+
+    def exit_when_given_back() -> None:
+        deadline = time.monotonic() + 30.0
+        while rt is not None and rt.inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # let the task threads' acks go out
+        _exit(EXIT_ENGINE_DIED, f"engine loop died: {exc!r}")
+
+    threading.Thread(target=exit_when_given_back, name="specbatch-exit", daemon=True).start()
+
+
+@signals.worker_shutting_down.connect
+def _drain_on_shutdown(**_: Any) -> None:
+    """Warm shutdown (SIGTERM) began: messages not yet started go back to the queue; running
+    jobs get ``DRAIN_TIMEOUT`` seconds to finish, then are aborted and given back at once."""
+    rt = _runtime
+    if rt is None or rt.draining:
+        return
+    rt.draining = True
+    _record_state("draining")
+    timeout = drain_timeout()
+
+    def give_back_after_timeout() -> None:
+        deadline = time.monotonic() + timeout
+        while rt.inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for job_id, request_id in list(rt.inflight.items()):
+            log.warning("drain timeout: giving back %s", job_id)
+            rt.loop.abort(request_id)
+
+    threading.Thread(target=give_back_after_timeout, name="specbatch-drain", daemon=True).start()
 
 
 @signals.worker_shutdown.connect
 def _drain_at_worker_stop(**_: Any) -> None:
-    stop(drain_timeout=float(env("DRAIN_TIMEOUT", "30")))
+    stop(drain_timeout=drain_timeout())
+    _record_state("stopped")

@@ -3,18 +3,20 @@
 Check the store first (a job that already succeeded is never generated again), claim a new
 attempt, submit to the running loop, wait while the process's one heartbeat keeps the lease
 fresh (which is also how a cancel is noticed: see ``worker.heartbeat``), then write the result
-fenced by the attempt number. The message is acked only after that write (``acks_late``), so a
-crash before it means redelivery, not loss.
+fenced by the attempt number. The message is acked only after that write (``acks_late``); a
+worker that dies before it leaves the job ``running`` with a lease that stops being refreshed,
+and any worker's reaper puts it back in the queue (``worker.reaper``). A worker that cannot go
+on (draining, a dead engine loop) gives its jobs back at once: queued, with a new message.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from celery.worker.control import control_command
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from . import runtime
 from .app import TASK_NAME, app
@@ -22,6 +24,7 @@ from .config import env, max_job_seconds, model_slug
 from .models import FAILED, SUCCEEDED
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def lease_seconds() -> float:
@@ -37,44 +40,96 @@ def max_attempts() -> int:
     return int(env("MAX_ATTEMPTS", "3"))
 
 
+def db_retry_seconds() -> float:
+    """How long a task keeps retrying the database (its message stays unacked meanwhile)."""
+    return float(env("DB_RETRY_SECONDS", "300"))
+
+
+def with_db_retry(what: str, fn: Callable[[], T]) -> T:
+    """Run a store call, retrying with backoff while the database is unreachable. A finished
+    result waits here, in memory, until it is written: the message is acked only after."""
+    deadline = time.monotonic() + db_retry_seconds()
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s: database unreachable (%s); retrying in %.1f s", what, type(exc).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def hand_back(rt: runtime.Runtime, job_id: str, payload: dict[str, Any]) -> str:
+    """Not taking this message (draining or dead): publish a copy, so it is acked, not lost."""
+    from .publish import publish_jobs
+
+    try:
+        publish_jobs(app, [payload], lambda _row: rt.queue)
+    except Exception:  # Redis away too: the job is still queued in the store; the orphan sweep has it
+        log.warning("could not hand back %s; the orphan sweep will", job_id, exc_info=True)
+    return "handed back"
+
+
+def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: dict[str, Any], reason: str,
+              *, forgive: bool) -> str:
+    """Put a claimed job back in the queue at once (queued, a new message), not failed."""
+    from .publish import publish_jobs
+
+    if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive)):
+        return "fenced"
+    try:
+        publish_jobs(app, [dict(payload, id=job_id)], lambda _row: rt.queue)
+    except Exception:
+        log.warning("could not publish given-back %s; the orphan sweep will", job_id, exc_info=True)
+    log.info("job %s attempt %s given back: %s", job_id, attempt, reason)
+    return "given back"
+
+
 @app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
 def generate(self, job_id: str, payload: dict[str, Any]) -> str:
     rt = runtime.get()
     store = runtime.store()
+    if rt.dead or rt.draining:
+        return hand_back(rt, job_id, payload)
     worker = self.request.hostname or runtime.worker_name(rt.label)
-    try:
-        claim = store.claim(job_id, worker=worker, device=rt.label, lease_s=lease_seconds(),
-                            max_attempts=max_attempts(), payload=payload)
-    except OperationalError as exc:  # database unreachable: try later rather than drop the message
-        raise self.retry(exc=exc, countdown=5, max_retries=60)
+    claim = with_db_retry("claim", lambda: store.claim(
+        job_id, worker=worker, device=rt.label, lease_s=lease_seconds(), max_attempts=max_attempts(),
+        payload=payload, queue=rt.queue,
+    ))
     if not claim.ok:
         log.info("job %s skipped: %s", job_id, claim.reason)
         return f"skipped: {claim.reason}"
     attempt = claim.attempt
     if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
-        store.fail(job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model")
+        with_db_retry("fail", lambda: store.fail(
+            job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"))
         return "failed"
     try:
         return run_claimed(rt, store, job_id, attempt, payload)
-    except Exception as exc:  # never leave a claimed job 'running' behind a swallowed error
-        log.exception("job %s attempt %s crashed", job_id, attempt)
-        store.fail(job_id, attempt, f"worker error: {exc!r}", "worker_error")
-        return "failed"
+    except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
+        log.exception("job %s attempt %s crashed in the worker", job_id, attempt)
+        return give_back(rt, store, job_id, attempt, payload, f"worker error: {exc!r}", forgive=False)
 
 
 def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: dict[str, Any]) -> str:
+    from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
+
     request_id = f"{job_id}#{attempt}"
     prompt = payload.get("prompt")
     if prompt is None:
         prompt = payload.get("prompt_token_ids_in")
-    if not rt.loop.running:
-        raise RuntimeError(f"engine loop is not running: {rt.loop.error!r}")
+    if rt.dead or rt.draining or not rt.loop.running:
+        return give_back(rt, store, job_id, attempt, payload, "worker stopping", forgive=True)
     try:
         handle = rt.loop.submit(prompt, messages=payload.get("messages"), params=payload.get("params") or {},
                                 request_id=request_id)
     except ValueError as exc:  # bad input: fail this job only, never retry it
-        store.fail(job_id, attempt, str(exc), "invalid_request")
+        with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"))
         return "failed"
+    except RuntimeError as exc:  # the loop is shutting down or dead
+        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True)
     rt.inflight[job_id] = request_id
     heartbeat = rt.heartbeats(store, heartbeat_seconds())  # one thread refreshes every job's lease
     heartbeat.track(job_id, attempt, request_id)
@@ -89,20 +144,25 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
                 if aborted_because is None and time.time() > deadline:
                     aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
                     rt.loop.abort(request_id)
-                elif not rt.loop.running:
-                    raise RuntimeError("engine loop stopped while waiting")
+            except EngineDied as exc:
+                # Not this job's fault as far as we know; counted, so a job that kills every
+                # engine it meets still ends (attempts exhausted).
+                return give_back(rt, store, job_id, attempt, payload, str(exc), forgive=False)
     finally:
-        rt.inflight.pop(job_id, None)
         lost = heartbeat.untrack(job_id)
+        rt.inflight.pop(job_id, None)
     aborted_because = aborted_because or lost
     values = result_values(out)
+    if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
+        return give_back(rt, store, job_id, attempt, payload, "drained: the worker is shutting down", forgive=True)
     if aborted_because is not None and values["status"] == SUCCEEDED:
         values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
     elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
         values.update(status=FAILED, error="aborted", error_type="aborted")
-    if not store.finish(job_id, attempt, values):
+    if not with_db_retry("store result", lambda: store.finish(job_id, attempt, values)):
         log.info("job %s attempt %s result refused (cancelled or superseded)", job_id, attempt)
         return "fenced"
+    log.info("job %s attempt %s stored: %s", job_id, attempt, values["status"])
     return values["status"]
 
 

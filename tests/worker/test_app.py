@@ -22,7 +22,8 @@ def test_celery_settings():
     assert c.task_acks_late and c.worker_prefetch_multiplier == 1
     assert c.task_serializer == "json" and c.accept_content == ["json"]
     assert c.worker_send_task_events and c.task_send_sent_event and c.task_track_started
-    assert c.task_ignore_result and c.worker_cancel_long_running_tasks_on_connection_loss
+    assert c.task_ignore_result and not c.worker_cancel_long_running_tasks_on_connection_loss
+    assert c.broker_connection_max_retries is None  # a restarting Redis is waited for
     assert c.worker_pool == "threads"
     vt = visibility_timeout()
     assert c.broker_transport_options["visibility_timeout"] == vt == c.visibility_timeout

@@ -1,0 +1,103 @@
+"""The lease reaper and orphan sweep: the store heals the queue, whoever is watching.
+
+Every worker process runs one (beside its heartbeat, and once as it starts). Each sweep:
+- a ``running`` job whose lease expired (its worker stopped heartbeating: SIGKILL, OOM, a lost
+  host) goes back to ``queued`` and is published again; a compare-and-swap on status, attempt
+  and heartbeat lets exactly one reaper win each job;
+- a ``queued`` job whose message is no longer waiting in Redis (a broker restarted without
+  persistence, a publish that never happened, a message reserved by a worker that died) is
+  published again once it has waited ``grace`` seconds since its last publish.
+A dead worker's jobs are therefore back in the queue within lease + sweep interval. Duplicate
+messages are harmless: the claim lets one attempt run and drops the other copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from .config import env
+from .publish import publish_jobs, queued_job_ids
+
+log = logging.getLogger(__name__)
+
+
+def sweep_seconds() -> float:
+    return float(env("SWEEP_SECONDS", "10"))
+
+
+def orphan_grace_seconds() -> float:
+    return float(env("ORPHAN_GRACE_SECONDS", "60"))
+
+
+class Reaper:
+    """Sweep every ``interval`` seconds for the queues this worker consumes."""
+
+    def __init__(self, store: Any, app: Any, queues: list[str], *, worker: str, lease_s: float,
+                 max_attempts: int, interval: float | None = None, grace_s: float | None = None) -> None:
+        self.store = store
+        self.app = app
+        self.queues = queues
+        self.worker = worker
+        self.lease_s = lease_s
+        self.max_attempts = max_attempts
+        self.interval = sweep_seconds() if interval is None else interval
+        self.grace_s = orphan_grace_seconds() if grace_s is None else grace_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specbatch-reaper", daemon=True)
+
+    def start(self) -> "Reaper":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.sweep()
+            except Exception:  # database or broker away: try again next interval
+                log.warning("reaper sweep failed", exc_info=True)
+            if self._stop.wait(self.interval):
+                return
+
+    def sweep(self) -> dict[str, int]:
+        """One pass: reap expired leases, re-publish lost messages; returns the counts."""
+        self.store.worker_beat(self.worker)
+        reaped = self.store.reap_expired(self.lease_s, self.queues, self.max_attempts)
+        if reaped:
+            publish_jobs(self.app, reaped, self._queue_of)
+            log.warning("reaped %d job(s) whose worker stopped heartbeating", len(reaped))
+        orphans = self._orphans()
+        if orphans:
+            publish_jobs(self.app, orphans, self._queue_of)
+            self.store.mark_published([r["id"] for r in orphans], recovered=True)
+            log.warning("re-published %d queued job(s) whose message was lost", len(orphans))
+        return {"reaped": len(reaped), "orphans": len(orphans)}
+
+    def _queue_of(self, row: dict[str, Any]) -> str:
+        return row.get("queue") or self.queues[0]
+
+    def _orphans(self) -> list[dict[str, Any]]:
+        stale = self.store.stale_queued(self.grace_s, self.queues)
+        if not stale:
+            return []
+        with self.app.connection_for_write() as conn:
+            client = conn.default_channel.client
+            orphans: list[dict[str, Any]] = []
+            for queue in self.queues:
+                mine = [r for r in stale if (r.get("queue") or self.queues[0]) == queue]
+                if not mine:
+                    continue
+                # One sweeper per queue per interval: the others skip the scan.
+                if not client.set(f"specbatch:sweep:{queue}", self.worker, nx=True, px=int(self.interval * 900)):
+                    continue
+                if client.llen(queue) >= len(mine) and len(mine) > 10_000:
+                    continue  # a long healthy backlog: scan when it has drained below the stale count
+                present = queued_job_ids(client, queue)
+                orphans.extend(r for r in mine if r["id"] not in present)
+        return orphans
