@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,10 +31,12 @@ class LocalWorker:
         env["SPECBATCH_DATABASE_URL"] = settings.database_url
         env["SPECBATCH_MODEL"] = settings.model
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        # A unique node name so this worker never clashes with a long-running one; restarts
+        # keep it, so the store's workers table counts them.
+        self.node = f"local-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
         cmd = [sys.executable, "-m", "worker.cli", "worker", "--device", settings.device,
                "--model", settings.model, "--queue", settings.queue_name, "--loglevel", loglevel,
-               # a unique node name so this worker never clashes with a long-running one
-               "--name", f"local-{uuid.uuid4().hex[:6]}"]
+               "--name", self.node]
         if concurrency:
             cmd += ["--concurrency", str(concurrency)]
         if max_num_seqs:
