@@ -1,0 +1,87 @@
+"""A worker whose engine cannot serve never burns the queue: an engine that cannot be built
+takes no message and exits non-zero; a loop that dies fails no job, gives its jobs back and
+exits non-zero; a poison request fails alone while the rest of its step finish."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+
+from tests.faults.conftest import stored_results, wait_until
+from worker.client import Client
+from worker.models import FAILED, QUEUED, SUCCEEDED
+from worker.runtime import EXIT_ENGINE_BUILD_FAILED, EXIT_ENGINE_DIED
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_client(settings) -> Client:
+    return Client(broker_url=settings.broker_url, database_url=settings.database_url, model=settings.model,
+                  queue=settings.queue)
+
+
+def test_engine_that_cannot_be_built_takes_no_message(workers):
+    settings = workers.settings
+    client = make_client(settings)
+    job = client.submit("hello there", params={"max_tokens": 8, "temperature": 0})
+    broken = workers.start(settings=dataclasses.replace(settings, device="cuda:0"), wait_ready=False)
+    assert broken.proc.wait(timeout=120) == EXIT_ENGINE_BUILD_FAILED
+    log = Path(broken.log_path).read_text()
+    assert " ready." not in log
+    row = client.store.get_job(job)
+    assert row.status == QUEUED and row.attempts == 0  # never claimed
+    assert redis.Redis.from_url(settings.broker_url).llen(settings.queue) == 1  # its message still waits
+    (state,) = [w for w in client.store.workers() if w.name == broken.node]
+    assert state.state == "failed" and "engine could not be built" in state.error and state.failures == 1
+
+    # `specbatch status` shows it (a crash loop is visible to whoever looks).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="250")
+    shown = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", settings.database_url, "status"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert broken.node.split("@")[0] in shown.stdout + shown.stderr and "failed" in shown.stdout + shown.stderr
+
+    workers.start()  # a healthy worker gets the job promptly
+    assert client.wait(job, timeout=120) == SUCCEEDED
+
+
+def test_loop_that_dies_gives_jobs_back_and_exits_non_zero(workers):
+    settings = workers.settings
+    client = make_client(settings)
+    rows = [{"custom_id": f"j{i}", "prompt": f"job {i}", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+            for i in range(12)]
+    batch_id = client.submit_batch(rows, name="loop-dies").batch_id
+    dying = workers.start(env={"SPECBATCH_FAULTS": json.dumps({"loop_dies_after_steps": 10})}, wait_ready=False)
+    assert dying.proc.wait(timeout=120) == EXIT_ENGINE_DIED
+    jobs = client.store.jobs(batch_id)
+    assert not [j for j in jobs if j.status == FAILED], [(j.custom_id, j.error) for j in jobs if j.status == FAILED]
+    given_back = [j for j in jobs if j.attempts >= 1]
+    assert given_back and all(j.status == QUEUED for j in given_back)  # back at once, not after a lease
+    assert all("engine loop died" in (j.error or "") for j in given_back)
+    (state,) = [w for w in client.store.workers() if w.name == dying.node]
+    assert state.state == "failed" and "engine loop died" in state.error
+
+    workers.start()  # the restarted (healthy) worker finishes them
+    counts = client.wait(batch_id, timeout=180)
+    assert counts[SUCCEEDED] == 12, counts
+    assert max(stored_results(workers.logs()).values()) == 1
+
+
+def test_poison_request_fails_alone(workers):
+    settings = workers.settings
+    client = make_client(settings)
+    poisoned = workers.start(env={"SPECBATCH_FAULTS": json.dumps({"poison": "POISON", "step_sleep_s": 0.01})})
+    rows = [{"custom_id": f"j{i}", "prompt": f"job {i}", "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+            for i in range(7)]
+    rows.insert(3, {"custom_id": "bad", "prompt": "this one is POISON", "max_tokens": 30, "temperature": 0})
+    batch_id = client.submit_batch(rows, name="poison").batch_id
+    counts = client.wait(batch_id, timeout=180)
+    assert counts[SUCCEEDED] == 7 and counts[FAILED] == 1, counts
+    bad = [j for j in client.store.jobs(batch_id) if j.custom_id == "bad"][0]
+    assert bad.attempts == 1 and "InjectedFault" in bad.error and "poisoned" in bad.error
+    assert poisoned.alive  # the worker and its loop survived
