@@ -1,0 +1,121 @@
+"""Shutdowns and outages end with every job succeeded exactly once: a SIGTERM drain gives
+unfinished jobs back at once; Redis restarted without persistence loses every message and the
+orphan sweep re-publishes them; PostgreSQL cut for 20 s stalls nothing for good; a tiny KV
+cache preempts and still finishes everything; a cancelled queued job never runs."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.faults.conftest import RedisServer, TcpProxy, Workers, stored_results, wait_until
+from worker.client import Client
+from worker.config import Settings
+from worker.models import CANCELLED, QUEUED, RUNNING, SUCCEEDED
+from worker.store import Store
+
+SLOW = {"SPECBATCH_FAULTS": '{"step_sleep_s": 0.02}'}
+
+
+def client_for(settings: Settings, store: Store | None = None) -> Client:
+    return Client(broker_url=settings.broker_url, database_url=settings.database_url, model=settings.model,
+                  queue=settings.queue, store=store)
+
+
+def rows(n: int, tokens: int, prefix: str = "job") -> list[dict]:
+    return [{"custom_id": f"{prefix}{i}", "prompt": f"{prefix} number {i}", "max_tokens": tokens,
+             "ignore_eos": True, "temperature": 0} for i in range(n)]
+
+
+def test_sigterm_drains_then_gives_back_at_once(workers):
+    client = client_for(workers.settings)
+    first = workers.start(env=SLOW)
+    batch_id = client.submit_batch(rows(8, 400), name="drain").batch_id
+    wait_until(lambda: client.store.batch_counts(batch_id)[RUNNING] >= 4, what="jobs running")
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.proc.wait(timeout=60) == 0  # a warm shutdown, after DRAIN_TIMEOUT (2 s)
+    jobs = client.store.jobs(batch_id)
+    assert not [j for j in jobs if j.status == RUNNING]  # nothing waits for a lease to expire
+    drained = [j for j in jobs if j.attempts == 1]
+    assert drained and all(j.status == QUEUED and j.attempts_forgiven == 1 for j in drained)
+    assert all("drained" in j.error for j in drained)
+    workers.start()
+    counts = client.wait(batch_id, timeout=180)
+    assert counts[SUCCEEDED] == 8
+    assert max(stored_results(workers.logs()).values()) == 1
+
+
+def test_redis_restarted_without_persistence(sqlite_url, unique_queue, tiny_model, tmp_path):
+    redis_server = RedisServer(tmp_path)
+    settings = Settings(broker_url=redis_server.url, database_url=sqlite_url, model=tiny_model, device="cpu",
+                        queue=unique_queue)
+    group = Workers(settings, tmp_path)
+    try:
+        client = client_for(settings)
+        group.start(env=SLOW)
+        group.start(env=SLOW)
+        batch_id = client.submit_batch(rows(60, 40), name="redis-restart").batch_id
+        wait_until(lambda: client.store.batch_counts(batch_id)[SUCCEEDED] >= 5, what="progress")
+        redis_server.kill()  # every queued and reserved message is gone
+        time.sleep(2.0)
+        redis_server.start()  # same port, empty
+        counts = client.wait(batch_id, timeout=240)
+        assert counts[SUCCEEDED] == 60, counts
+        assert max(stored_results(group.logs()).values()) == 1
+        assert "re-published" in group.logs()  # the orphan sweep did it
+    finally:
+        group.stop_all()
+        redis_server.kill()
+
+
+def test_database_cut_for_20_seconds(pg_url, redis_url, unique_queue, tiny_model, tmp_path):
+    url = make_url(pg_url)
+    proxy = TcpProxy(url.port or 5432)
+    proxied = url.set(port=proxy.port).render_as_string(hide_password=False)
+    Store(pg_url, auto_upgrade=True)  # migrated directly, as a deploy step would
+    settings = Settings(broker_url=redis_url, database_url=proxied, model=tiny_model, device="cpu",
+                        queue=unique_queue)
+    group = Workers(settings, tmp_path)
+    try:
+        client = client_for(settings)
+        group.start(env=SLOW)
+        group.start(env=SLOW)
+        batch_id = client.submit_batch(rows(60, 40), name="db-cut").batch_id
+        wait_until(lambda: client.store.batch_counts(batch_id)[SUCCEEDED] >= 5, what="progress")
+        proxy.cut()
+        time.sleep(20.0)
+        proxy.restore()
+        counts = client.wait(batch_id, timeout=240)  # the producer's own polls went through the cut too
+        assert counts[SUCCEEDED] == 60, counts
+        assert max(stored_results(group.logs()).values()) == 1
+        assert "database unreachable" in group.logs()  # the cut was felt, and waited out
+    finally:
+        group.stop_all()
+        proxy.close()
+
+
+def test_tiny_kv_cache_preempts_and_finishes_everything(workers):
+    client = client_for(workers.settings)
+    # 24 blocks of 16 tokens for 8 sequences growing to ~110 tokens each: they cannot all fit.
+    workers.start(seqs=8, env={"SPECBATCH_KV_CACHE_BYTES": str(24 * 8192)})  # tiny model: 8 KiB a block
+    batch_id = client.submit_batch(rows(24, 100), name="kv").batch_id
+    counts = client.wait(batch_id, timeout=240)
+    assert counts[SUCCEEDED] == 24
+    jobs = client.store.jobs(batch_id)
+    assert all(len(j.output_token_ids) == 100 for j in jobs)
+    assert sum(j.num_preemptions or 0 for j in jobs) > 0
+
+
+def test_cancelled_queued_job_never_runs(workers):
+    client = client_for(workers.settings)
+    job = client.submit("cancel me before any worker", params={"max_tokens": 8})
+    assert client.cancel(job) == [job]
+    workers.start()
+    marker = client.submit("after it", params={"max_tokens": 4})
+    assert client.wait(marker, timeout=120) == SUCCEEDED
+    row = client.store.get_job(job)
+    assert row.status == CANCELLED and row.attempts == 0 and row.output_text is None
+    assert f"job {job} skipped: already cancelled" in workers.logs()
