@@ -1,0 +1,126 @@
+"""The store side of fault tolerance on SQLite and PostgreSQL: the reaper's compare-and-swap
+lets exactly one reaper win a job; give-back and ``--retry-failed`` give fresh attempts while
+the fence only grows; SQLite reads never wait for the write lock; batches insert in chunks."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+
+from sqlalchemy import event
+
+from worker import store as store_module
+from worker.models import FAILED, QUEUED, RUNNING
+from worker.store import Store, job_row
+
+
+def _store(url: str) -> Store:
+    return Store(url, auto_upgrade=True)
+
+
+def _running(store: Store, job_id: str, *, queue: str = "q", max_attempts: int = 5) -> int:
+    store.upsert_jobs([job_row(model="m", prompt="hi", id=job_id, queue=queue)])
+    return store.claim(job_id, worker="dead", device="cpu", lease_s=60, max_attempts=max_attempts, queue=queue).attempt
+
+
+def test_reapers_racing_requeue_each_expired_job_exactly_once(db_url):
+    store = _store(db_url)
+    for i in range(20):
+        _running(store, f"j{i}")
+    _running(store, "other-queue", queue="elsewhere")
+    time.sleep(0.3)
+    store.heartbeat_many({"j0": 1})  # j0's worker is alive: its lease is fresh
+    results: list[list[dict]] = []
+    barrier = threading.Barrier(6)
+
+    def reap():
+        barrier.wait()
+        results.append(store.reap_expired(0.2, ["q"], max_attempts=5))
+
+    threads = [threading.Thread(target=reap) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [row["id"] for rows in results for row in rows]
+    assert sorted(won) == sorted(f"j{i}" for i in range(1, 20))  # each once; j0 alive; other queue not ours
+    for i in range(1, 20):
+        job = store.get_job(f"j{i}")
+        assert job.status == QUEUED and job.recovered_at is not None and "lease expired" in job.error
+    assert store.get_job("j0").status == RUNNING
+    assert store.get_job("other-queue").status == RUNNING
+    # The dead attempt's late result is refused: the fence holds.
+    assert not store.finish("j1", 1, {"status": "succeeded"})
+
+
+def test_reaping_a_job_out_of_attempts_fails_it_with_the_cause(db_url):
+    store = _store(db_url)
+    _running(store, "j", max_attempts=1)
+    time.sleep(0.2)
+    assert store.reap_expired(0.1, ["q"], max_attempts=1) == []
+    job = store.get_job("j")
+    assert job.status == FAILED and job.error_type == "attempts_exhausted" and "lease expired" in job.error
+
+
+def test_give_back_forgives_the_attempt_and_keeps_the_fence(db_url):
+    store = _store(db_url)
+    for _ in range(3):  # drained three times in a row: never "attempts exhausted"
+        attempt = store.claim("j", worker="w", device="cpu", lease_s=60, max_attempts=1,
+                              payload=dict(id="j", model="m", prompt="hi", params={}), queue="q").attempt
+        assert attempt is not None
+        assert store.give_back("j", attempt, "drained", forgive=True)
+        assert not store.give_back("j", attempt, "again")  # only the owner can give it back
+    job = store.get_job("j")
+    assert job.status == QUEUED and job.attempts == 3 and job.attempts_forgiven == 3
+    assert not store.finish("j", 2, {"status": "succeeded"})
+
+
+def test_retry_failed_gives_fresh_attempts(db_url):
+    store = _store(db_url)
+    rows = [job_row(model="m", prompt="p", custom_id="c", line_no=1)]
+    batch = store.prepare_batch(name="b", input_file=None, model="m", rows=rows)
+    job_id = batch.to_enqueue[0]["id"]
+    for _ in range(2):
+        attempt = store.claim(job_id, worker="w", device="cpu", lease_s=0, max_attempts=2).attempt
+        store.fail(job_id, attempt, "boom") if attempt == 2 else None
+    assert store.get_job(job_id).status == FAILED
+    store.prepare_batch(name="b", input_file=None, model="m", rows=rows, retry_failed=True)
+    claim = store.claim(job_id, worker="w", device="cpu", lease_s=60, max_attempts=2)
+    assert claim.ok and claim.attempt == 3  # runs again at once; the fence kept growing
+
+
+def test_stale_queued_names_jobs_not_published_lately(db_url):
+    store = _store(db_url)
+    store.upsert_jobs([job_row(model="m", prompt="old", id="old", queue="q", enqueued_at=time.time() - 100),
+                       job_row(model="m", prompt="new", id="new", queue="q")])
+    assert [r["id"] for r in store.stale_queued(50, ["q"])] == ["old"]
+    store.mark_published(["old"], recovered=True)
+    assert store.stale_queued(50, ["q"]) == []
+
+
+def test_sqlite_reads_do_not_wait_for_the_write_lock(sqlite_url):
+    store = _store(sqlite_url)
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j")])
+    path = sqlite_url.removeprefix("sqlite:///")
+    writer = sqlite3.connect(path, isolation_level=None, timeout=0.1)
+    writer.execute("BEGIN IMMEDIATE")  # another process holds the one write lock
+    try:
+        # Before reads began DEFERRED, each of these waited out the 30 s busy timeout and failed.
+        assert store.get_job("j").status == QUEUED
+        assert store.batch_counts("none")[QUEUED] == 0
+        assert store.stale_queued(0, ["q"]) == []
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+
+
+def test_a_large_batch_is_written_in_many_short_transactions(sqlite_url, monkeypatch):
+    monkeypatch.setattr(store_module, "INSERT_CHUNK", 100)
+    store = _store(sqlite_url)
+    commits = []
+    event.listen(store.engine, "commit", lambda conn: commits.append(1))
+    rows = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i) for i in range(1000)]
+    prepared = store.prepare_batch(name="big", input_file=None, model="m", rows=rows)
+    assert len(prepared.to_enqueue) == 1000 and store.batch_counts(prepared.batch_id)[QUEUED] == 1000
+    assert len(commits) >= 10  # so a heartbeat's transaction waits for one chunk at most
