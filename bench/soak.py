@@ -1,0 +1,140 @@
+"""Soak under kills: many tiny jobs through two workers, one SIGKILLed and restarted every
+~20 s, nobody watching but the workers themselves. Prints jobs lost (must be 0), duplicate
+results (0), stuck jobs (0) and the recovery time of every job a kill orphaned (p50/p99/max:
+from the kill until the job is back in the queue or claimed again).
+
+    python bench/soak.py [--jobs 10000] [--kill-every 20] [--lease 5] [--sweep 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+# bench/queue.py is named like the stdlib's ``queue``; keep this folder off the import path.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+ROOT = _HERE.parent
+sys.path.insert(0, str(ROOT))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=10_000)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--kill-every", type=float, default=20.0)
+    ap.add_argument("--lease", type=float, default=5.0)
+    ap.add_argument("--sweep", type=float, default=1.0)
+    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--broker-url", default="redis://127.0.0.1:6379/13")
+    ap.add_argument("--database-url", default=None, help="default: a fresh SQLite file")
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args()
+
+    from engine.testing import make_tiny_model
+    from worker.client import Client
+    from worker.config import Settings
+    from worker.local import LocalWorker
+    from worker.models import QUEUED, RUNNING, SUCCEEDED
+
+    tmp = Path(tempfile.mkdtemp(prefix="specbatch-soak-"))
+    model = str(make_tiny_model(tmp / "model"))
+    db = args.database_url or f"sqlite:///{tmp / 'soak.db'}"
+    queue = f"gen.soak-{uuid.uuid4().hex[:8]}"
+    settings = Settings(broker_url=args.broker_url, database_url=db, model=model, device="cpu", queue=queue)
+    env = {"SPECBATCH_LEASE_SECONDS": str(args.lease), "SPECBATCH_HEARTBEAT_SECONDS": str(min(1.0, args.lease / 4)),
+           "SPECBATCH_SWEEP_SECONDS": str(args.sweep), "SPECBATCH_ORPHAN_GRACE_SECONDS": str(2 * args.lease),
+           "SPECBATCH_MAX_ATTEMPTS": "20", "OMP_NUM_THREADS": "1"}
+    workers = [LocalWorker(settings, concurrency=2 * args.seqs, max_num_seqs=args.seqs, loglevel="info",
+                           log_path=str(tmp / f"worker{i}.log"), extra_env=env) for i in range(2)]
+    client = Client(broker_url=args.broker_url, database_url=db, model=model, queue=queue)
+    rows = [{"custom_id": f"s{i}", "prompt": f"tiny job {i}", "max_tokens": args.max_tokens, "ignore_eos": True,
+             "temperature": 0} for i in range(args.jobs)]
+    t0 = time.time()
+    batch_id = client.submit_batch(rows, name=f"soak-{queue}").batch_id
+    print(f"submitted {args.jobs} jobs in {time.time() - t0:.1f} s; queue {queue}; logs in {tmp}", flush=True)
+
+    recoveries: list[float] = []
+    watchers: list[threading.Thread] = []
+
+    def watch(orphans: dict[str, int], killed_at: float) -> None:
+        """Record, per orphaned job, when it left its dead attempt (requeued or re-claimed)."""
+        pending = dict(orphans)
+        while pending and time.time() - killed_at < 300:
+            for job in client.store.jobs(batch_id, statuses=[RUNNING, QUEUED, SUCCEEDED]):
+                if job.id in pending and (job.status != RUNNING or job.attempts != pending[job.id]):
+                    recoveries.append(time.time() - killed_at)
+                    del pending[job.id]
+            time.sleep(0.1)
+
+    rng = random.Random(1)
+    kills = 0
+    next_kill = time.time() + args.kill_every
+    deadline = time.time() + args.timeout
+    while time.time() < deadline:
+        for w in workers:
+            w.keep_alive(max_restarts=1000)
+        counts = client.store.batch_counts(batch_id)
+        done = counts[SUCCEEDED] + counts["failed"] + counts["cancelled"]
+        if counts[QUEUED] == 0 and counts[RUNNING] == 0:
+            break
+        if time.time() >= next_kill:
+            victim = rng.choice([w for w in workers if w.alive] or workers)
+            killed_at = time.time()
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait()
+            kills += 1
+            orphans = {j.id: j.attempts for j in client.store.jobs(batch_id, statuses=[RUNNING])
+                       if j.worker == victim.node}
+            print(f"  t={killed_at - t0:6.1f} s kill #{kills} of {victim.node}: {len(orphans)} running jobs orphaned; "
+                  f"{done}/{args.jobs} done", flush=True)
+            thread = threading.Thread(target=watch, args=(orphans, killed_at), daemon=True)
+            thread.start()
+            watchers.append(thread)
+            next_kill = time.time() + args.kill_every * rng.uniform(0.75, 1.25)
+        time.sleep(0.2)
+    elapsed = time.time() - t0
+    for thread in watchers:
+        thread.join(60)
+    for w in workers:
+        w.stop(timeout=30)
+
+    jobs = client.store.jobs(batch_id)
+    counts = client.store.batch_counts(batch_id)
+    logs = "".join(Path(w.log_path).read_text(errors="replace") for w in workers)
+    stored: dict[str, int] = {}
+    for job_id in re.findall(r"job (\w+) attempt \d+ stored: succeeded", logs):
+        stored[job_id] = stored.get(job_id, 0) + 1
+    lost = sum(1 for j in jobs if j.status != SUCCEEDED and j.status not in (QUEUED, RUNNING))
+    stuck = counts[QUEUED] + counts[RUNNING]
+    duplicates = sum(n - 1 for n in stored.values() if n > 1)
+    print(f"\n{args.jobs} jobs x {args.max_tokens} tokens, 2 workers (tiny model, {args.seqs} seqs), "
+          f"lease {args.lease} s, sweep {args.sweep} s, a SIGKILL every ~{args.kill_every} s")
+    print(f"elapsed {elapsed:.1f} s ({counts[SUCCEEDED] / elapsed:.1f} jobs/s), kills {kills}, "
+          f"jobs retried {sum(j.attempts > 1 for j in jobs)}")
+    print(f"jobs lost (failed):   {lost}")
+    print(f"duplicate results:    {duplicates}")
+    print(f"stuck (not finished): {stuck}")
+    print(f"succeeded:            {counts[SUCCEEDED]} / {args.jobs}  (results logged as stored: {len(stored)})")
+    if recoveries:
+        print(f"recovery of {len(recoveries)} orphaned jobs: p50 {percentile(recoveries, 0.5):.2f} s, "
+              f"p99 {percentile(recoveries, 0.99):.2f} s, max {max(recoveries):.2f} s "
+              f"(bound: lease + sweep = {args.lease + args.sweep:.1f} s)")
+    sys.exit(0 if lost == 0 and duplicates == 0 and stuck == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
