@@ -112,16 +112,8 @@ class StepRecovery:
         bm = self.block_manager
         seqs = [s for s in self.probing.seqs if not s.is_finished]
         needed = sum(bm.blocks_needed(s.num_tokens + 1) for s in seqs) - sum(len(s.block_table) for s in seqs)
-        running = self.scheduler.running
-        while bm.num_free_blocks < needed and running:
-            victim = running.pop()
-            bm.free(victim)
-            victim.num_computed_tokens = 0
-            victim.draft_token_ids = []
-            victim.draft_probs = None
-            victim.status = SequenceStatus.WAITING
-            victim.request.metrics.num_preemptions += 1
-            self.scheduler.waiting.appendleft(victim)
+        while bm.num_free_blocks < needed and self.scheduler.running:
+            self.scheduler._preempt(self.scheduler.running[-1], SchedulerOutput())
 
     def after_probe_step(self) -> None:
         """The probe's step succeeded: once its tokens are all computed it rejoins the batch."""

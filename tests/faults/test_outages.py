@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
 from sqlalchemy.engine import make_url
 
 from tests.faults.conftest import RedisServer, TcpProxy, Workers, stored_results, wait_until
@@ -48,26 +47,40 @@ def test_sigterm_drains_then_gives_back_at_once(workers):
     assert max(stored_results(workers.logs()).values()) == 1
 
 
-def test_redis_restarted_without_persistence(sqlite_url, unique_queue, tiny_model, tmp_path):
-    redis_server = RedisServer(tmp_path)
-    settings = Settings(broker_url=redis_server.url, database_url=sqlite_url, model=tiny_model, device="cpu",
-                        queue=unique_queue)
+def run_through_outage(settings: Settings, tmp_path, name: str, outage) -> str:
+    """60 jobs on two workers; ``outage()`` strikes once 5 have succeeded; all must end
+    succeeded exactly once. Returns the workers' logs."""
     group = Workers(settings, tmp_path)
     try:
         client = client_for(settings)
         group.start(env=SLOW)
         group.start(env=SLOW)
-        batch_id = client.submit_batch(rows(60, 40), name="redis-restart").batch_id
+        batch_id = client.submit_batch(rows(60, 40), name=name).batch_id
         wait_until(lambda: client.store.batch_counts(batch_id)[SUCCEEDED] >= 5, what="progress")
+        outage()
+        counts = client.wait(batch_id, timeout=240)  # the producer's own polls live through it too
+        assert counts[SUCCEEDED] == 60, counts
+        logs = group.logs()
+        assert max(stored_results(logs).values()) == 1
+        return logs
+    finally:
+        group.stop_all()
+
+
+def test_redis_restarted_without_persistence(sqlite_url, unique_queue, tiny_model, tmp_path):
+    redis_server = RedisServer(tmp_path)
+    settings = Settings(broker_url=redis_server.url, database_url=sqlite_url, model=tiny_model, device="cpu",
+                        queue=unique_queue)
+
+    def restart_empty() -> None:
         redis_server.kill()  # every queued and reserved message is gone
         time.sleep(2.0)
         redis_server.start()  # same port, empty
-        counts = client.wait(batch_id, timeout=240)
-        assert counts[SUCCEEDED] == 60, counts
-        assert max(stored_results(group.logs()).values()) == 1
-        assert "re-published" in group.logs()  # the orphan sweep did it
+
+    try:
+        logs = run_through_outage(settings, tmp_path, "redis-restart", restart_empty)
+        assert "re-published" in logs  # the orphan sweep did it
     finally:
-        group.stop_all()
         redis_server.kill()
 
 
@@ -78,22 +91,16 @@ def test_database_cut_for_20_seconds(pg_url, redis_url, unique_queue, tiny_model
     Store(pg_url, auto_upgrade=True)  # migrated directly, as a deploy step would
     settings = Settings(broker_url=redis_url, database_url=proxied, model=tiny_model, device="cpu",
                         queue=unique_queue)
-    group = Workers(settings, tmp_path)
-    try:
-        client = client_for(settings)
-        group.start(env=SLOW)
-        group.start(env=SLOW)
-        batch_id = client.submit_batch(rows(60, 40), name="db-cut").batch_id
-        wait_until(lambda: client.store.batch_counts(batch_id)[SUCCEEDED] >= 5, what="progress")
+
+    def cut_for_20_s() -> None:
         proxy.cut()
         time.sleep(20.0)
         proxy.restore()
-        counts = client.wait(batch_id, timeout=240)  # the producer's own polls went through the cut too
-        assert counts[SUCCEEDED] == 60, counts
-        assert max(stored_results(group.logs()).values()) == 1
-        assert "database unreachable" in group.logs()  # the cut was felt, and waited out
+
+    try:
+        logs = run_through_outage(settings, tmp_path, "db-cut", cut_for_20_s)
+        assert "database unreachable" in logs  # the cut was felt, and waited out
     finally:
-        group.stop_all()
         proxy.close()
 
 
