@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from .config import env
@@ -44,6 +45,9 @@ class Reaper:
         self.max_attempts = max_attempts
         self.interval = sweep_seconds() if interval is None else interval
         self.grace_s = orphan_grace_seconds() if grace_s is None else grace_s
+        # Scanning Redis for lost messages costs more than reaping: do it every half grace.
+        self.orphan_interval = max(self.interval, self.grace_s / 2)
+        self._last_orphan_sweep = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specbatch-reaper", daemon=True)
 
@@ -72,7 +76,10 @@ class Reaper:
         if reaped:
             publish_jobs(self.app, reaped, self._queue_of)
             log.warning("reaped %d job(s) whose worker stopped heartbeating", len(reaped))
-        orphans = self._orphans()
+        orphans: list[dict[str, Any]] = []
+        if time.monotonic() - self._last_orphan_sweep >= self.orphan_interval:
+            self._last_orphan_sweep = time.monotonic()
+            orphans = self._orphans()
         if orphans:
             publish_jobs(self.app, orphans, self._queue_of)
             self.store.mark_published([r["id"] for r in orphans], recovered=True)
@@ -86,18 +93,19 @@ class Reaper:
         stale = self.store.stale_queued(self.grace_s, self.queues)
         if not stale:
             return []
+        missing: list[str] = []
         with self.app.connection_for_write() as conn:
             client = conn.default_channel.client
-            orphans: list[dict[str, Any]] = []
             for queue in self.queues:
-                mine = [r for r in stale if (r.get("queue") or self.queues[0]) == queue]
+                mine = [job_id for job_id, q in stale if (q or self.queues[0]) == queue]
                 if not mine:
                     continue
                 # One sweeper per queue per interval: the others skip the scan.
-                if not client.set(f"specbatch:sweep:{queue}", self.worker, nx=True, px=int(self.interval * 900)):
+                if not client.set(f"specbatch:sweep:{queue}", self.worker, nx=True,
+                                  px=int(self.orphan_interval * 900)):
                     continue
-                if client.llen(queue) >= len(mine) and len(mine) > 10_000:
-                    continue  # a long healthy backlog: scan when it has drained below the stale count
+                if len(mine) > 10_000 and client.llen(queue) >= len(mine):
+                    continue  # a long healthy backlog: scanned once it has drained below the stale count
                 present = queued_job_ids(client, queue)
-                orphans.extend(r for r in mine if r["id"] not in present)
-        return orphans
+                missing += [job_id for job_id in mine if job_id not in present]
+        return self.store.payloads(missing) if missing else []

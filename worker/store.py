@@ -367,19 +367,27 @@ class Store:
                 requeued.append(dict(row))
         return requeued
 
-    def stale_queued(self, grace_s: float, queues: Sequence[str], limit: int = 100_000) -> list[dict[str, Any]]:
-        """Queued jobs in ``queues`` last published more than ``grace_s`` ago (their message
-        may be lost: a Redis restarted without persistence, a publish that never happened)."""
+    def stale_queued(self, grace_s: float, queues: Sequence[str], limit: int = 100_000) -> list[tuple[str, str | None]]:
+        """(id, queue) of queued jobs in ``queues`` last published more than ``grace_s`` ago (their
+        message may be lost: a Redis restarted without persistence, a publish that never happened)."""
         cutoff = time.time() - grace_s
-        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
         with self.reader.connect() as conn:
             rows = conn.execute(
-                select(*cols).where(
+                select(Job.id, Job.queue).where(
                     Job.status == QUEUED, Job.queue.in_(list(queues)),
                     func.coalesce(Job.published_at, Job.enqueued_at) < cutoff,
                 ).limit(limit)
-            ).mappings().all()
-        return [dict(r) for r in rows]
+            ).all()
+        return [(r.id, r.queue) for r in rows]
+
+    def payloads(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The message payloads (plus queue) of these jobs, to publish them again."""
+        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
+        out: list[dict[str, Any]] = []
+        with self.reader.connect() as conn:
+            for chunk in _chunks(list(job_ids), 500):
+                out += [dict(r) for r in conn.execute(select(*cols).where(Job.id.in_(chunk))).mappings()]
+        return out
 
     def mark_published(self, job_ids: Sequence[str], *, recovered: bool = False) -> None:
         now = time.time()

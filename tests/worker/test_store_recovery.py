@@ -94,7 +94,8 @@ def test_stale_queued_names_jobs_not_published_lately(db_url):
     store = _store(db_url)
     store.upsert_jobs([job_row(model="m", prompt="old", id="old", queue="q", enqueued_at=time.time() - 100),
                        job_row(model="m", prompt="new", id="new", queue="q")])
-    assert [r["id"] for r in store.stale_queued(50, ["q"])] == ["old"]
+    assert store.stale_queued(50, ["q"]) == [("old", "q")]
+    assert store.payloads(["old"])[0]["prompt"] == "old"
     store.mark_published(["old"], recovered=True)
     assert store.stale_queued(50, ["q"]) == []
 
