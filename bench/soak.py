@@ -97,8 +97,12 @@ def main() -> None:
         done = counts[SUCCEEDED] + counts["failed"] + counts["cancelled"]
         if counts[QUEUED] == 0 and counts[RUNNING] == 0:
             break
-        if time.time() >= next_kill:
-            victim = rng.choice([w for w in workers if w.alive] or workers)
+        ready = [w.alive and Path(w.log_path).read_text(errors="replace").count(" ready.") >= 1 + w.restarts
+                 for w in workers]
+        # Kill only while both are serving: with the other one still starting, nobody is there
+        # to reap (recovery then waits for a worker to come up, which this machine takes 5-40 s).
+        if time.time() >= next_kill and all(ready):
+            victim = rng.choice(workers)
             killed_at = time.time()
             victim.proc.send_signal(signal.SIGKILL)
             victim.proc.wait()

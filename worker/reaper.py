@@ -6,7 +6,9 @@ Every worker process runs one (beside its heartbeat, and once as it starts). Eac
   and heartbeat lets exactly one reaper win each job;
 - a ``queued`` job whose message is no longer waiting in Redis (a broker restarted without
   persistence, a publish that never happened, a message reserved by a worker that died) is
-  published again once it has waited ``grace`` seconds since its last publish.
+  published again once it has waited ``grace`` seconds since its last publish and was missing
+  at two scans in a row (half a grace apart), so a message a live worker has just popped is
+  not copied.
 A dead worker's jobs are therefore back in the queue within lease + sweep interval. Duplicate
 messages are harmless: the claim lets one attempt run and drops the other copies.
 """
@@ -48,6 +50,9 @@ class Reaper:
         # Scanning Redis for lost messages costs more than reaping: do it every half grace.
         self.orphan_interval = max(self.interval, self.grace_s / 2)
         self._last_orphan_sweep = float("-inf")
+        # Ids missing at the previous scan: only a job missing at two scans in a row is an
+        # orphan (a message a live worker just popped is claimed long before the next scan).
+        self._missing_before: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specbatch-reaper", daemon=True)
 
@@ -108,4 +113,6 @@ class Reaper:
                     continue  # a long healthy backlog: scanned once it has drained below the stale count
                 present = queued_job_ids(client, queue)
                 missing += [job_id for job_id in mine if job_id not in present]
-        return self.store.payloads(missing) if missing else []
+        orphans = [job_id for job_id in missing if job_id in self._missing_before]
+        self._missing_before = set(missing) - set(orphans)
+        return self.store.payloads(orphans) if orphans else []

@@ -85,3 +85,27 @@ def test_poison_request_fails_alone(workers):
     bad = [j for j in client.store.jobs(batch_id) if j.custom_id == "bad"][0]
     assert bad.attempts == 1 and "InjectedFault" in bad.error and "poisoned" in bad.error
     assert poisoned.alive  # the worker and its loop survived
+
+
+def test_specbatch_run_restarts_its_local_worker(tiny_model, redis_url, unique_queue, tmp_path):
+    """The local worker of ``specbatch run`` dies (its loop, every ~60 steps) and is restarted
+    with backoff until the file is done; every line gets exactly one result."""
+    lines = [json.dumps({"custom_id": f"c{i}", "prompt": f"line {i}", "max_tokens": 8, "ignore_eos": True,
+                         "temperature": 0}) for i in range(60)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue, SPECBATCH_MAX_ATTEMPTS="20",
+               SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"), SPECBATCH_WORKER_LOGLEVEL="info",
+               SPECBATCH_FAULTS=json.dumps({"loop_dies_after_steps": 60}))
+    env.pop("DATABASE_URL", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "--broker-url", redis_url, "--database-url",
+         f"sqlite:///{tmp_path / 'sb.db'}", "run", str(src), "-o", str(out), "--model", tiny_model,
+         "--max-num-seqs", "4"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "restarted (" in res.stderr  # it did die, and came back
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"c{i}" for i in range(60))
+    assert all(r["error"] is None for r in rows)
+    assert max(stored_results((tmp_path / "worker.log").read_text()).values()) == 1
