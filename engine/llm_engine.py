@@ -69,8 +69,12 @@ class LLMEngine:
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and tokenise one request; raise ``ValueError`` naming the field at fault."""
+        """Validate and tokenise one request; raise ``ValueError`` naming the field at fault.
+
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks (tenants).
+        """
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -79,6 +83,8 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         text: str | None = None
         if messages is not None:
             if prompt is not None:
@@ -120,6 +126,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             metrics=metrics,
+            cache_salt=cache_salt,
         )
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -105,6 +105,7 @@ class EngineLoop:
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Validate and queue a request; it joins the running batch at the next step."""
         if not self._accepting:
@@ -114,7 +115,12 @@ class EngineLoop:
             if self.engine is None:
                 raise RuntimeError(f"the engine could not be built: {self.error!r}")
         request = self.engine.make_request(
-            prompt, messages=messages, params=params, request_id=request_id, arrival_time=arrival_time
+            prompt,
+            messages=messages,
+            params=params,
+            request_id=request_id,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
         )
         handle = RequestHandle(request.request_id)
         self._inbox.put(("add", request, handle))

@@ -129,7 +129,7 @@ class Scheduler:
             return out
         skipped: list[Sequence] = []
         # Prompt blocks that requests admitted in this step are computing now (not yet cached).
-        inflight: set[tuple[int, tuple[int, ...]]] = set()
+        inflight: set[bytes] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.request.seqs[0]
