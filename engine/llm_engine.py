@@ -47,9 +47,9 @@ class LLMEngine:
         generator = torch.Generator(device=config.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(self.eos_ids, generator)
-        self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._tokenizer_lock = threading.Lock()
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len, self._tokenizer_lock)
         self.speculator = None
         if config.speculative_config is not None:
             from engine.spec.speculator import Speculator

@@ -68,6 +68,9 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}
         self._stopping = threading.Event()
         self._accepting = True
+        # Accepting and enqueueing are one step w.r.t. shutdown: a request is either queued before
+        # the loop stops taking requests (and then resolved) or refused at submit.
+        self._accept_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="specbatch-engine-loop", daemon=True)
         self.error: BaseException | None = None
 
@@ -123,7 +126,10 @@ class EngineLoop:
             cache_salt=cache_salt,
         )
         handle = RequestHandle(request.request_id)
-        self._inbox.put(("add", request, handle))
+        with self._accept_lock:
+            if not self._accepting:
+                raise RuntimeError("the engine loop is shutting down")
+            self._inbox.put(("add", request, handle))
         self._wakeup.set()
         return handle
 
@@ -133,7 +139,8 @@ class EngineLoop:
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let running requests finish for up to ``drain_timeout``, abort the rest."""
-        self._accepting = False
+        with self._accept_lock:
+            self._accepting = False
         deadline = time.monotonic() + drain_timeout
         while self._handles_pending() and time.monotonic() < deadline and self.running:
             time.sleep(0.01)
@@ -208,6 +215,7 @@ class EngineLoop:
             log.exception("engine loop crashed")
             raise
         finally:
+            self._refuse_queued()
             for request_id, handle in list(self._handles.items()):
                 request = self.engine.abort(request_id)
                 if request is not None:
@@ -217,3 +225,16 @@ class EngineLoop:
                 elif not handle.done():
                     handle.future.set_exception(RuntimeError("engine loop stopped"))
             self._handles.clear()
+
+    def _refuse_queued(self) -> None:
+        """Stop accepting and fail what is still queued: nothing steps it any more."""
+        with self._accept_lock:
+            self._accepting = False
+        while True:
+            try:
+                kind, _payload, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" and not handle.done():
+                handle.future.set_exception(RuntimeError("engine loop stopped before the request started"))
+                handle._tokens.put(_DONE)
