@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import StopChecker
@@ -41,6 +42,7 @@ class LLMEngine:
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.runner = ModelRunner(self.model, config, self.max_model_len)
+        self.memory = memory.report(self.model, self.runner.num_blocks, config.block_size, self.runner.bytes_per_block)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
