@@ -119,3 +119,18 @@ def test_engine_cache_salt_isolates_requests(tiny_model_dir):
     assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate(prompt, params, use_tqdm=False, cache_salt=3)
+
+
+def test_engine_loop_submit_takes_a_cache_salt(tiny_model_dir):
+    from engine import EngineLoop, LLMEngine
+    from engine.config import EngineConfig
+
+    loop = EngineLoop(LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", block_size=16))).start()
+    try:
+        prompt = "a prompt that is long enough for two blocks of sixteen"
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        assert loop.submit(prompt, params=params, cache_salt="a").result(timeout=60).num_cached_tokens == 0
+        assert loop.submit(prompt, params=params, cache_salt="b").result(timeout=60).num_cached_tokens == 0
+        assert loop.submit(prompt, params=params, cache_salt="a").result(timeout=60).num_cached_tokens == 48
+    finally:
+        loop.shutdown(drain_timeout=5)
