@@ -158,6 +158,10 @@ class Scheduler:
                 # ones (or this one, once they finish) can always have the whole cache.
                 bm.free(seq)
                 seq.num_computed_tokens = 0
+                if not self.running and not out.scheduled:  # nothing else holds a block
+                    self.waiting.popleft()
+                    out.failed.append((seq, self._too_large(seq)))
+                    continue
                 break
             if self._shares_inflight_prefix(seq, inflight, num_new):
                 # An earlier request in this step is computing this prompt's next block: wait one
