@@ -5,8 +5,9 @@ from array import array
 import pytest
 
 import engine.block_manager as block_manager
-from engine import LLM, SamplingParams
+from engine import LLM, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from tests.engine.fakes import make_seq
 
 
@@ -98,8 +99,9 @@ def test_engine_output_is_exact_under_colliding_digests(tiny_model_dir, monkeypa
     p1, p2, common = "first block 16ch", "second block 16c", "a shared middle."
     warm = [p1 + p2 + common + " tail one"]
     prompts = [p2 + common + " tail two", p1 + p2 + common + " tail three", "another prompt entirely here!!"]
-    cached = LLM(tiny_model_dir, device="cpu", block_size=16)
-    plain = LLM(tiny_model_dir, device="cpu", block_size=16, enable_prefix_caching=False)
+    cached = LLM(tiny_model_dir, device="cpu", block_size=16, max_num_seqs=4)
+    config = EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=4, enable_prefix_caching=False)
+    plain = LLM.from_engine(LLMEngine(config, model=cached.engine.model, tokenizer=cached.engine.tokenizer))
     assert _generate(cached, warm) == _generate(plain, warm)
     outs = cached.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _generate(plain, prompts)
@@ -122,8 +124,7 @@ def test_engine_cache_salt_isolates_requests(tiny_model_dir):
 
 
 def test_engine_loop_submit_takes_a_cache_salt(tiny_model_dir):
-    from engine import EngineLoop, LLMEngine
-    from engine.config import EngineConfig
+    from engine import EngineLoop
 
     loop = EngineLoop(LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", block_size=16))).start()
     try:
