@@ -3,7 +3,6 @@
 import logging
 import sys
 
-import pytest
 from safetensors import safe_open
 
 from engine import LLMEngine
