@@ -95,12 +95,13 @@ def make_inputs(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
 
 def contiguous_kv(inp: dict, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, Hkv, ctx, D]`` copies of the paged K/V (built outside the timed region)."""
-    from kernels.cache_ops import gather_kv_torch
+    def gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The first ``ctx`` cached tokens of one sequence, ``[Hkv, ctx, D]``."""
+        blocks = cache.index_select(0, table.long())
+        return blocks.reshape(-1, *cache.shape[2:])[:ctx].transpose(0, 1)
 
-    ks, vs = [], []
-    for table in inp["block_tables"]:
-        ks.append(gather_kv_torch(inp["k_cache"], table, ctx).transpose(0, 1))
-        vs.append(gather_kv_torch(inp["v_cache"], table, ctx).transpose(0, 1))
+    ks = [gather(inp["k_cache"], table) for table in inp["block_tables"]]
+    vs = [gather(inp["v_cache"], table) for table in inp["block_tables"]]
     return torch.stack(ks).contiguous(), torch.stack(vs).contiguous()
 
 

@@ -2,26 +2,54 @@
 
 Free blocks wait in an LRU queue (freed to the tail, taken from the head). A freed block keeps
 its prefix-cache entry until it is taken for new content, so a later request with the same
-prefix can revive it (vLLM v1's BlockPool). Full blocks are keyed by the chain
-``(hash of the parent block's key, this block's tokens)``; the dict compares the tokens
-exactly, so a hash collision can never hand out the wrong KV.
+prefix can revive it (vLLM v1's BlockPool).
+
+A full block is cached under a digest that chains its tokens to its parent's digest, from a
+root that is random per process and mixed with the request's ``cache_salt`` (so tenants with
+different salts never share a block). A digest is only a fast index: a hit must also carry
+exactly this block's tokens and exactly the parent this sequence already matched (its block id
+and generation, which changes when the block is reused), and the first block the same salt, so
+even a digest collision can never hand out the wrong KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator
 
 from engine.sequence import Sequence
 
-_ROOT = 0x5BEC  # parent "hash" of a sequence's first block
+_PROCESS_ROOT = os.urandom(16)  # parent digest of a sequence's first block (unsalted)
+
+# What a cached block's parent must be: ("salt", cache_salt) for a first block, otherwise the
+# parent's (block_id, generation).
+ParentRef = tuple
+
+
+def block_digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The cache key of a full block: blake2b of its parent's digest and its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def root_digest(cache_salt: str | None) -> bytes:
+    """The parent digest of a request's first block: the process root, salted per tenant."""
+    if cache_salt is None:
+        return _PROCESS_ROOT
+    return hashlib.blake2b(_PROCESS_ROOT + b"salt:" + cache_salt.encode(), digest_size=16).digest()
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    key: tuple[int, tuple[int, ...]] | None = None
+    key: bytes | None = None  # the digest it is cached under
+    tokens: tuple[int, ...] | None = None  # its content, checked exactly on a hit
+    parent: ParentRef | None = None
+    generation: int = 0  # bumped each time the block is taken for new content
 
 
 class BlockManager:
@@ -33,7 +61,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.cached: dict[bytes, int] = {}
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -55,7 +83,8 @@ class BlockManager:
         if block.key is not None:  # evict its cached content
             if self.cached.get(block.key) == block_id:
                 del self.cached[block.key]
-            block.key = None
+            block.key = block.tokens = block.parent = None
+        block.generation += 1  # children cached under its old content can no longer match
         block.ref_count = 1
         return block
 
@@ -74,14 +103,20 @@ class BlockManager:
             return 0
         tokens = seq.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
+        salt = seq.request.cache_salt
+        parent: ParentRef = ("salt", salt)
         hits: list[int] = []
-        hashes: list[int] = []
-        for _i, key in self._key_chain(tokens, _ROOT, 0, max_blocks):
-            block_id = self.cached.get(key)
+        hashes: list[tuple[bytes, ParentRef]] = []
+        for _i, digest, block_tokens in self._key_chain(tokens, root_digest(salt), 0, max_blocks):
+            block_id = self.cached.get(digest)
             if block_id is None:
                 break
+            block = self.blocks[block_id]
+            if block.tokens != block_tokens or block.parent != parent:
+                break  # a digest collision: the content differs
+            parent = (block_id, block.generation)
             hits.append(block_id)
-            hashes.append(hash(key))
+            hashes.append((digest, parent))
         self.prefix_queries += 1
         if hits:
             self.prefix_hits += 1
@@ -92,20 +127,22 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         return len(hits) * self.block_size
 
-    def _key_chain(self, tokens: list[int], parent: int, start: int, stop: int):
-        """``(i, key)`` of full blocks ``start..stop-1``, each key chained to its parent's hash."""
+    def _key_chain(
+        self, tokens: list[int], parent: bytes, start: int, stop: int
+    ) -> Iterator[tuple[int, bytes, tuple[int, ...]]]:
+        """``(i, digest, tokens)`` of full blocks ``start..stop-1``, each digest chained to its parent's."""
         bs = self.block_size
         for i in range(start, stop):
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            yield i, key
-            parent = hash(key)
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            parent = block_digest(parent, block_tokens)
+            yield i, parent, block_tokens
 
-    def prompt_block_keys(self, seq: Sequence, first: int, last: int) -> list[tuple[int, tuple[int, ...]]]:
-        """Prefix-cache keys of ``seq``'s full blocks ``first..last-1`` (the chain from its start)."""
-        known = 0 < first <= len(seq.block_hashes)  # the parent's hash is already on the sequence
-        parent = seq.block_hashes[first - 1] if known else _ROOT
+    def prompt_block_keys(self, seq: Sequence, first: int, last: int) -> list[bytes]:
+        """Prefix-cache digests of ``seq``'s full blocks ``first..last-1`` (the chain from its start)."""
+        known = 0 < first <= len(seq.block_hashes)  # the parent's digest is already on the sequence
+        parent = seq.block_hashes[first - 1][0] if known else root_digest(seq.request.cache_salt)
         chain = self._key_chain(seq.token_ids, parent, first if known else 0, last)
-        return [key for i, key in chain if i >= first]
+        return [digest for i, digest, _tokens in chain if i >= first]
 
     def share_prefix(self, src: Sequence, dst: Sequence, num_tokens: int) -> int:
         """Let ``dst`` (a sibling sample) reuse ``src``'s full computed blocks of a common prefix."""
@@ -154,14 +191,26 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT
+        if seq.block_hashes:
+            digest, parent = seq.block_hashes[-1]
+        else:
+            salt = seq.request.cache_salt
+            digest, parent = root_digest(salt), ("salt", salt)
         stop = min(num_full, len(seq.block_table))
-        for i, key in self._key_chain(seq.token_ids, parent, seq.num_hashed_blocks, stop):
+        for i, digest, block_tokens in self._key_chain(seq.token_ids, digest, seq.num_hashed_blocks, stop):
             block_id = seq.block_table[i]
             block = self.blocks[block_id]
-            if key not in self.cached:
-                self.cached[key] = block_id
-                block.key = key
-            parent = hash(key)
-            seq.block_hashes.append(parent)
+            cached_id = self.cached.get(digest)
+            if cached_id is None:
+                self.cached[digest] = block_id
+                block.key, block.tokens, block.parent = digest, block_tokens, parent
+                ref = (block_id, block.generation)
+            else:
+                other = self.blocks[cached_id]
+                if other.tokens == block_tokens and other.parent == parent:
+                    ref = (cached_id, other.generation)  # the same content is cached: chain through it
+                else:
+                    ref = (block_id, block.generation)  # a collision: ours stays out of the cache
+            seq.block_hashes.append((digest, ref))
             seq.num_hashed_blocks = i + 1
+            parent = ref

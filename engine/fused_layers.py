@@ -16,6 +16,8 @@ transformers' modules.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,8 +131,12 @@ def _fusable(layer: nn.Module) -> bool:
     return act in _ACTIVATIONS and all(type(n).__name__ in _NORMS for n in norms)
 
 
-def fuse_decoder_layers(model: nn.Module) -> int:
-    """Swap every fusable decoder layer of ``model`` for a ``FusedDecoderLayer``; return how many."""
+def fuse_decoder_layers(model: nn.Module, after: Callable[[nn.Module], object] | None = None) -> int:
+    """Swap every fusable decoder layer of ``model`` for a ``FusedDecoderLayer``; return how many.
+
+    ``after`` runs on each new layer as soon as it is made (e.g. prepacking its linears), so one
+    layer's intermediate copies are freed before the next is built: loading peaks lower.
+    """
     count = 0
     for module in model.modules():
         layers = getattr(module, "layers", None)
@@ -139,5 +145,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         for i, layer in enumerate(layers):
             if _fusable(layer):
                 layers[i] = FusedDecoderLayer(layer)
+                if after is not None:
+                    after(layers[i])
                 count += 1
     return count

@@ -38,8 +38,14 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in input order. A prompt is text, a token-id list or ``{"prompt_token_ids": [...]}``."""
+        """Outputs in input order. A prompt is text, a token-id list or ``{"prompt_token_ids": [...]}``.
+
+        ``cache_salt`` (for every prompt, or per prompt as a dict's ``"cache_salt"``): only
+        requests with the same salt share prefix-cache blocks.
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -48,13 +54,15 @@ class LLM:
         for prompt in prompts:
             if isinstance(prompt, dict):
                 if "prompt_token_ids" in prompt:
-                    items.append({"prompt": list(prompt["prompt_token_ids"])})
+                    item = {"prompt": list(prompt["prompt_token_ids"])}
                 elif "prompt" in prompt:
-                    items.append({"prompt": prompt["prompt"]})
+                    item = {"prompt": prompt["prompt"]}
                 else:
                     raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                item["cache_salt"] = prompt.get("cache_salt", cache_salt)
             else:
-                items.append({"prompt": prompt})
+                item = {"prompt": prompt, "cache_salt": cache_salt}
+            items.append(item)
         return self._run(items, sampling_params, use_tqdm)
 
     def chat(

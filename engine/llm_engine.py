@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import StopChecker
@@ -43,18 +44,19 @@ class LLMEngine:
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.runner = ModelRunner(self.model, config, self.max_model_len)
+        self.memory = memory.report(self.model, self.runner.num_blocks, config.block_size, self.runner.bytes_per_block)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         generator = torch.Generator(device=config.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(self.eos_ids, generator)
-        self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len)
         self.recovery = StepRecovery(self.scheduler, self.block_manager)
         self.faults = Faults.from_env()  # test-only switches; inert unless SPECBATCH_FAULTS is set
         self._probed_last = False
         self.requests: dict[str, Request] = {}
         self._tokenizer_lock = threading.Lock()
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len, self._tokenizer_lock)
         self.speculator = None
         if config.speculative_config is not None:
             from engine.spec.speculator import Speculator
@@ -74,8 +76,12 @@ class LLMEngine:
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and tokenise one request; raise ``ValueError`` naming the field at fault."""
+        """Validate and tokenise one request; raise ``ValueError`` naming the field at fault.
+
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks (tenants).
+        """
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -84,6 +90,8 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         text: str | None = None
         if messages is not None:
             if prompt is not None:
@@ -125,6 +133,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             metrics=metrics,
+            cache_salt=cache_salt,
         )
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from engine.attention import ATTN_IMPLEMENTATION
 from engine.cpu_linear import can_pack, pack_linears
 from engine.fused_layers import fuse_decoder_layers
+from engine.memory import own_weights, release_freed_heap
 from engine.model_hub import resolve_model
 
 
@@ -23,10 +24,14 @@ def load_model(
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf_model = hf_model.to(device).eval().requires_grad_(False)
+    pack = can_pack(device, dtype)
     if fuse_layers:
-        fuse_decoder_layers(hf_model)
-    if can_pack(device, dtype):
+        fuse_decoder_layers(hf_model, after=pack_linears if pack else None)
+    if pack:
         pack_linears(hf_model)
+    if device.type == "cpu":  # the weights are held once: no checkpoint map, no freed heap kept
+        own_weights(hf_model)
+        release_freed_heap()
     return hf_model
 
 

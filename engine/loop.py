@@ -74,6 +74,9 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}
         self._stopping = threading.Event()
         self._accepting = True
+        # Accepting and enqueueing are one step w.r.t. shutdown: a request is either queued before
+        # the loop stops taking requests (and then resolved) or refused at submit.
+        self._accept_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="specbatch-engine-loop", daemon=True)
         self.error: BaseException | None = None
         # Called from the loop thread after a crash, once every pending handle has failed.
@@ -119,6 +122,7 @@ class EngineLoop:
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Validate and queue a request; it joins the running batch at the next step."""
         if not self._accepting:
@@ -128,10 +132,18 @@ class EngineLoop:
             if self.engine is None:
                 raise RuntimeError(f"the engine could not be built: {self.error!r}")
         request = self.engine.make_request(
-            prompt, messages=messages, params=params, request_id=request_id, arrival_time=arrival_time
+            prompt,
+            messages=messages,
+            params=params,
+            request_id=request_id,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
         )
         handle = RequestHandle(request.request_id)
-        self._inbox.put(("add", request, handle))
+        with self._accept_lock:
+            if not self._accepting:
+                raise RuntimeError("the engine loop is shutting down")
+            self._inbox.put(("add", request, handle))
         self._wakeup.set()
         return handle
 
@@ -141,7 +153,8 @@ class EngineLoop:
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let running requests finish for up to ``drain_timeout``, abort the rest."""
-        self._accepting = False
+        with self._accept_lock:
+            self._accepting = False
         deadline = time.monotonic() + drain_timeout
         while self._handles_pending() and time.monotonic() < deadline and self.running:
             time.sleep(0.01)
@@ -218,8 +231,7 @@ class EngineLoop:
             self.error = exc
             log.exception("engine loop crashed")
         finally:
-            self._accepting = False
-            self._drain_inbox_after_exit()
+            self._refuse_queued()
             for request_id, handle in list(self._handles.items()):
                 if self.error is not None:  # died: the request is fine, the engine is not
                     if not handle.done():
@@ -238,16 +250,19 @@ class EngineLoop:
                 except Exception:
                     log.exception("on_death callback failed")
 
-    def _drain_inbox_after_exit(self) -> None:
-        """Resolve whatever was submitted while the loop was exiting (never a handle that hangs)."""
+    def _refuse_queued(self) -> None:
+        """Stop accepting and fail what is still queued: nothing steps it any more (a loop that
+        died says so with ``EngineDied``, so callers hand the request to another engine)."""
+        with self._accept_lock:
+            self._accepting = False
         while True:
             try:
-                kind, payload, handle = self._inbox.get_nowait()
+                kind, _payload, handle = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if kind == "add" and not handle.done():
                 handle.future.set_exception(
                     EngineDied(f"engine loop died: {self.error!r}") if self.error is not None
-                    else RuntimeError("the engine loop is shutting down")
+                    else RuntimeError("engine loop stopped before the request started")
                 )
                 handle._tokens.put(_DONE)

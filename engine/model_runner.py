@@ -15,9 +15,8 @@ from transformers import PreTrainedModel
 import kernels
 from engine.attention import PagedMetadata
 from engine.config import EngineConfig
+from engine.memory import available_memory_bytes, default_cpu_kv_blocks
 from engine.scheduler import ScheduledSeq
-
-_DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
 @dataclass(slots=True)
@@ -59,14 +58,24 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def _num_blocks(self, max_model_len: int) -> int:
-        """Blocks that fit the memory budget, never more than the batch could ever use."""
+        """Blocks that fit the memory budget, never more than the batch could ever use.
+
+        An explicit ``kv_cache_memory_bytes`` always wins. Otherwise CUDA takes its share of the
+        free device memory; the CPU sizes the cache for the batch (``engine.memory``).
+        """
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
                 free, _total = torch.cuda.mem_get_info(self.device)
                 budget = int(free * self.config.gpu_memory_utilization)
             else:
-                budget = _DEFAULT_CPU_KV_BYTES
+                budget = self.bytes_per_block * default_cpu_kv_blocks(
+                    self.bytes_per_block,
+                    self.block_size,
+                    self.config.max_num_seqs,
+                    max_model_len,
+                    available_memory_bytes(),
+                )
         num_blocks = budget // self.bytes_per_block
         useful = self.config.max_num_seqs * (-(-max_model_len // self.block_size) + 1)
         if self.config.kv_cache_memory_bytes is None:

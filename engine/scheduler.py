@@ -7,7 +7,8 @@ sequences first, then waiting ones in arrival order. That single rule yields mix
 decode in one step, chunked prefill, prefix-cache hits (they start with tokens computed) and
 draft verification (drafts are scheduled tokens). When blocks run out, the most recently
 admitted running sequence is preempted and recomputed later; the waiting queue stays FIFO, so
-no request starves.
+no request starves. Waiting sequences hold no blocks between steps, so a request is failed as
+too large only when it could not fit in an empty cache.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
             if not bm.can_allocate(seq, num_new):
-                if len(self.running) == 1:
+                if not bm.can_ever_fit(seq.num_tokens):
+                    # Too large for an empty cache: no amount of waiting helps.
                     out.failed.append((seq, self._too_large(seq)))
                     self.running.remove(seq)
                     bm.free(seq)
@@ -127,7 +129,7 @@ class Scheduler:
             return out
         skipped: list[Sequence] = []
         # Prompt blocks that requests admitted in this step are computing now (not yet cached).
-        inflight: set[tuple[int, tuple[int, ...]]] = set()
+        inflight: set[bytes] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.request.seqs[0]
@@ -151,13 +153,16 @@ class Scheduler:
                 out.failed.append((seq, self._too_large(seq)))
                 continue
             if not bm.can_allocate(seq, num_new):
-                if not self.running and not out.scheduled:
-                    # Nothing else holds blocks: the cache is simply too small for this chunk.
+                # FIFO: later arrivals never jump a blocked head. It gives back the prefix hits it
+                # just attached: a waiting sequence holds no blocks between steps, so the running
+                # ones (or this one, once they finish) can always have the whole cache.
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                if not self.running and not out.scheduled:  # nothing else holds a block
                     self.waiting.popleft()
-                    bm.free(seq)
                     out.failed.append((seq, self._too_large(seq)))
                     continue
-                break  # FIFO: later arrivals never jump a blocked head
+                break
             if self._shares_inflight_prefix(seq, inflight, num_new):
                 # An earlier request in this step is computing this prompt's next block: wait one
                 # step and take it from the prefix cache instead of computing it again.

@@ -37,7 +37,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Number of leading blocks whose content is registered in the prefix cache.
     num_hashed_blocks: int = 0
-    block_hashes: list[int] = field(default_factory=list)
+    # (digest, parent reference) of each hashed block: where the prefix-cache chain continues.
+    block_hashes: list[tuple[bytes, tuple]] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     generator: torch.Generator | None = None
@@ -91,6 +92,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
     aborted: bool = False
+    # Mixed into the root of this request's prefix-cache chain: only requests with the same salt
+    # share cached blocks (vLLM's ``cache_salt``).
+    cache_salt: str | None = None
 
     @property
     def is_finished(self) -> bool:

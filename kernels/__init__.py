@@ -4,8 +4,8 @@ Each operation has a plain torch reference (the CPU path, and the definition of 
 computes) and, where Triton runs, a Triton kernel. ``kernel_backend`` picks one for a device;
 ``SPECBATCH_KERNEL_BACKEND=torch|triton`` overrides the choice.
 
-Dispatchers: ``paged_attention``, ``write_kv``, ``copy_blocks``, ``gather_kv`` and
-``rejection_sample``, each taking ``backend=``. The Triton kernels live in ``kernels._triton_*``
+Dispatchers: ``paged_attention``, ``write_kv`` and ``rejection_sample``, each taking
+``backend=``. The Triton kernels live in ``kernels._triton_*``
 and are imported on first use only, so ``TRITON_INTERPRET=1`` (the CPU interpreter, used by
 the tests) takes effect as long as it is set before the first Triton call.
 """
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from kernels.cache_ops import copy_blocks_torch, gather_kv_torch, write_kv_torch
+from kernels.cache_ops import write_kv_torch
 from kernels.paged_attention import paged_attention_torch
 from kernels.sampling import rejection_sample_torch
 
@@ -68,26 +68,6 @@ def write_kv(*args, backend: str = "torch", **kwargs) -> None:
     return write_kv_torch(*args, **kwargs)
 
 
-def copy_blocks(*args, backend: str = "torch", **kwargs) -> None:
-    """Dispatch to the chosen implementation of the block copy (see ``kernels.cache_ops``)."""
-    _check(backend)
-    if backend == "triton":
-        from kernels.cache_ops import copy_blocks_triton
-
-        return copy_blocks_triton(*args, **kwargs)
-    return copy_blocks_torch(*args, **kwargs)
-
-
-def gather_kv(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
-    """Dispatch to the chosen implementation of the KV gather (see ``kernels.cache_ops``)."""
-    _check(backend)
-    if backend == "triton":
-        from kernels.cache_ops import gather_kv_triton
-
-        return gather_kv_triton(*args, **kwargs)
-    return gather_kv_torch(*args, **kwargs)
-
-
 def rejection_sample(*args, backend: str = "torch", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch the rejection sampler's accept/resample step (see ``kernels.sampling``)."""
     _check(backend)
@@ -100,10 +80,6 @@ def rejection_sample(*args, backend: str = "torch", **kwargs) -> tuple[torch.Ten
 
 __all__ = [
     "BACKENDS",
-    "copy_blocks",
-    "copy_blocks_torch",
-    "gather_kv",
-    "gather_kv_torch",
     "kernel_backend",
     "paged_attention",
     "paged_attention_torch",

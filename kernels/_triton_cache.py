@@ -46,35 +46,6 @@ def _write_kv_kernel(
     tl.store(v_row + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _copy_blocks_kernel(cache_ptr, src_to_dst_ptr, stride_block, stride_pair, BLOCK: tl.constexpr):
-    """Program (pair, chunk): copy ``BLOCK`` elements of block ``src`` onto block ``dst``."""
-    pair = tl.program_id(0)
-    chunk = tl.program_id(1)
-    src = tl.load(src_to_dst_ptr + pair * stride_pair).to(tl.int64)
-    dst = tl.load(src_to_dst_ptr + pair * stride_pair + 1).to(tl.int64)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < stride_block
-    data = tl.load(cache_ptr + src * stride_block + offs, mask=mask)
-    tl.store(cache_ptr + dst * stride_block + offs, data, mask=mask)
-
-
-@triton.jit
-def _gather_kv_kernel(
-    cache_ptr, block_table_ptr, out_ptr,
-    stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
-    BLOCK_SIZE: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr,
-):
-    """One program per token position: copy its cached row into the contiguous output."""
-    token = tl.program_id(0)
-    block = tl.load(block_table_ptr + token // BLOCK_SIZE).to(tl.int64)
-    src, mask = _row_offsets(stride_ch, H, H_PAD, D, D_PAD)
-    dst, _ = _row_offsets(stride_oh, H, H_PAD, D, D_PAD)
-    row = tl.load(cache_ptr + block * stride_cb + (token % BLOCK_SIZE) * stride_cs + src, mask=mask)
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + dst, row, mask=mask)
-
-
 # ---------------------------------------------------------------- host side
 
 
@@ -111,28 +82,3 @@ def write_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         **_row_consts(k_cache),
     )
-
-
-def copy_blocks(caches: list[torch.Tensor], src_to_dst: torch.Tensor, chunk: int = 1024) -> None:
-    if src_to_dst.numel() == 0:
-        return
-    src_to_dst = src_to_dst.contiguous()
-    for cache in caches:
-        if not cache[0].is_contiguous():
-            raise ValueError("copy_blocks needs each cache block to be contiguous")
-        block_numel = cache[0].numel()
-        grid = (src_to_dst.shape[0], triton.cdiv(block_numel, chunk))
-        _copy_blocks_kernel[grid](cache, src_to_dst, cache.stride(0), src_to_dst.stride(0), BLOCK=chunk)
-
-
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    _last_dim_contiguous(cache)
-    out = torch.empty(length, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
-    if length == 0:
-        return out
-    _gather_kv_kernel[(length,)](
-        cache, block_table.contiguous(), out,
-        cache.stride(0), cache.stride(1), cache.stride(2), out.stride(0), out.stride(1),
-        **_row_consts(cache),
-    )
-    return out

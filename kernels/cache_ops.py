@@ -30,25 +30,6 @@ def write_kv_torch(
     flat_v.index_copy_(0, slots, value[valid].to(flat_v.dtype))
 
 
-def copy_blocks_torch(caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
-    """Copy whole blocks ``src_to_dst[i] = (src, dst)`` in every cache tensor (copy-on-write)."""
-    if src_to_dst.numel() == 0:
-        return
-    src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
-    for cache in caches:
-        cache.index_copy_(0, dst, cache.index_select(0, src))
-
-
-def gather_kv_torch(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int
-) -> torch.Tensor:
-    """The first ``length`` cached tokens of one sequence as a contiguous ``[length, kv_heads, head_dim]``."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
-
-
 # Triton versions: same semantics as the references above. The kernels live in
 # ``kernels._triton_cache``, imported on first use (see that module's docstring).
 
@@ -64,21 +45,3 @@ def write_kv_triton(
     from kernels import _triton_cache
 
     _triton_cache.write_kv(key, value, k_cache, v_cache, slot_mapping)
-
-
-def copy_blocks_triton(caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
-    """Triton ``copy_blocks_torch``; one launch per cache tensor.
-
-    Unlike the reference (which reads every source before writing), a destination that is also
-    another pair's source gives an undefined result; copy-on-write never produces one.
-    """
-    from kernels import _triton_cache
-
-    _triton_cache.copy_blocks(caches, src_to_dst)
-
-
-def gather_kv_triton(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Triton ``gather_kv_torch``: one program per token position."""
-    from kernels import _triton_cache
-
-    return _triton_cache.gather_kv(cache, block_table, length)

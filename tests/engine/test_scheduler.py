@@ -174,3 +174,41 @@ def test_no_hold_back_without_prefix_caching():
         sched.add(make_seq(shared + [1], name))
     out = step(sched)
     assert [(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 9), ("b", 9)]
+
+
+def test_waiting_prefix_hit_never_makes_a_running_request_too_large():
+    # 4 blocks of 4 tokens. A waiting request matches two cached blocks and then cannot be
+    # admitted; the one running request later needs a third block. The empty cache holds it,
+    # so it must not fail as "too large" (the blocked waiter's hits used to pin those blocks).
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+
+    def run(max_out: int) -> list:
+        failed = []
+        for _ in range(40):
+            out = sched.schedule()
+            failed += out.failed
+            for item in out.scheduled:
+                seq, samples = item.seq, item.samples
+                seq.num_computed_tokens += item.num_new_tokens
+                if samples:
+                    seq.token_ids.append(7)
+                    if seq.num_output_tokens >= max_out:
+                        seq.status = SequenceStatus.FINISHED
+                        sched.remove(seq)
+                        continue
+                bm.cache_full_blocks(seq)
+            if not sched.has_unfinished():
+                break
+        return failed
+
+    sched.add(make_seq(list(range(1, 9)), "cached"))  # leaves its two full blocks in the cache
+    assert run(max_out=2) == []
+    grower = make_seq(list(range(50, 58)), "grower")  # grows to 12 tokens: 3 blocks
+    waiter = make_seq(list(range(1, 13)), "waiter")  # hits 2 cached blocks, grows to 4 blocks
+    sched.add(grower)
+    sched.add(waiter)
+    failed = run(max_out=4)
+    assert [(s.request.request_id, msg) for s, msg in failed] == []
+    assert grower.num_output_tokens == 4 and waiter.num_output_tokens == 4
+    assert bm.num_free_blocks == 4

@@ -56,8 +56,6 @@ def main(capability: int = 90) -> None:
                        BLOCK_SIZE=32, BLOCK_Q=16, BLOCK_N=64, UPCAST=upcast), dtype, capability)
         compile_kernel(ta._combine_splits_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=8), dtype, capability)
         compile_kernel(tc._write_kv_kernel, dict(BLOCK_SIZE=16, H=8, H_PAD=8, D=128, D_PAD=128), dtype, capability)
-        compile_kernel(tc._gather_kv_kernel, dict(BLOCK_SIZE=16, H=3, H_PAD=4, D=80, D_PAD=128), dtype, capability)
-    compile_kernel(tc._copy_blocks_kernel, dict(BLOCK=1024), "*bf16", capability)
     for k, has_draft in ((4, True), (4, False), (0, False)):
         compile_kernel(ts._rejection_sample_kernel,
                        dict(K=k, HAS_DRAFT_PROBS=has_draft, BLOCK_V=1024), "*fp32", capability)

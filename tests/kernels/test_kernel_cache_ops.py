@@ -6,14 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.cache_ops import (
-    copy_blocks_torch,
-    copy_blocks_triton,
-    gather_kv_torch,
-    gather_kv_triton,
-    write_kv_torch,
-    write_kv_triton,
-)
+from kernels.cache_ops import write_kv_torch, write_kv_triton
 from paged_cases import DEVICE, DTYPES, EXAMPLES
 
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None)
@@ -67,36 +60,3 @@ def test_write_kv_matches_reference(shape, data):
     write_kv_triton(key, value, *caches, slot_mapping)
     assert_written(caches[0], want[0], kv_dtype)
     assert_written(caches[1], want[1], kv_dtype)
-
-
-@SETTINGS
-@given(shape=cache_shapes(), data=st.data())
-def test_copy_blocks_matches_reference(shape, data):
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    shape["num_blocks"] += 1
-    n = data.draw(st.integers(0, shape["num_blocks"] // 2))
-    perm = torch.randperm(shape["num_blocks"], generator=gen)
-    src_to_dst = torch.stack([perm[:n], perm[n : 2 * n]], dim=1).to(DEVICE)  # dsts are fresh
-    if n and data.draw(st.booleans()):  # one shared source copied twice (n > 1 samples)
-        src_to_dst[:, 0] = src_to_dst[0, 0]
-    caches = [make_cache(gen, **shape) for _ in range(3)]
-    want = [c.clone() for c in caches]
-    copy_blocks_torch(want, src_to_dst)
-    copy_blocks_triton(caches, src_to_dst)
-    assert all(torch.equal(c, w) for c, w in zip(caches, want))
-
-
-@SETTINGS
-@given(shape=cache_shapes(), data=st.data())
-def test_gather_kv_matches_reference(shape, data):
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    bs = shape["block_size"]
-    max_len = shape["num_blocks"] * bs
-    length = data.draw(st.one_of(st.integers(0, max_len), st.sampled_from([1, bs - 1, bs, bs + 1])))
-    length = min(length, max_len)
-    cache = make_cache(gen, **shape)
-    table = torch.randperm(shape["num_blocks"], generator=gen).to(torch.int32).to(DEVICE)
-    got = gather_kv_triton(cache, table, length)
-    want = gather_kv_torch(cache, table, length)
-    assert got.shape == want.shape == (length, shape["num_kv_heads"], shape["head_dim"])
-    assert torch.equal(got, want)
