@@ -167,19 +167,25 @@ def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the chat template.")
 @click.option("--model", default=None)
-@click.option("--max-tokens", type=int, default=64)
-@click.option("--temperature", type=float, default=0.0)
+@click.option("--max-tokens", type=int, default=None, help="Output limit (default: SamplingParams', clamped to the context).")
+@click.option("--temperature", type=float, default=None, help="0 is greedy (default: SamplingParams').")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: a fresh one, recorded with the job).")
 @click.option("--custom-id", default=None)
 @click.option("--wait", "wait_s", type=float, default=None, help="Wait up to this many seconds and print the result.")
 @click.pass_context
-def submit(ctx, prompt, chat, model, max_tokens, temperature, custom_id, wait_s):
+def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s):
     """Enqueue one job and print its id."""
     client = _client(ctx, model=model)
-    params = {"max_tokens": max_tokens, "temperature": temperature}
-    if chat:
-        job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id)
-    else:
-        job_id = client.submit(prompt, params=params, custom_id=custom_id)
+    # Only what was given: every default is SamplingParams' own (one request model).
+    params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("seed", seed))
+              if v is not None}
+    try:
+        if chat:
+            job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id)
+        else:
+            job_id = client.submit(prompt, params=params, custom_id=custom_id)
+    except ValueError as exc:  # SamplingParams names the field
+        raise click.UsageError(str(exc)) from None
     click.echo(job_id)
     if wait_s is not None:
         from .formats import output_line

@@ -16,11 +16,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from kombu import Queue
 
+from engine.sampling_params import SamplingParams
+
 from .app import TASK_NAME, make_app
 from .config import Settings, queue_name
 from .embedded import ensure_broker_url
 from .formats import BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
 from .models import QUEUED, RUNNING, TERMINAL
+from .request import openai_sampling_params, with_seed
 from .store import JOB_PAYLOAD_FIELDS, PreparedBatch, Store, job_row
 
 CountTokens = Callable[[Request], int]
@@ -67,19 +70,24 @@ class Client:
         prompt: str | list[int] | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
-        params: dict[str, Any] | None = None,
+        params: dict[str, Any] | SamplingParams | None = None,
         model: str | None = None,
         custom_id: str | None = None,
         job_id: str | None = None,
     ) -> str:
-        """Store and enqueue one job; returns its id (reusing ``job_id`` is idempotent)."""
+        """Store and enqueue one job; returns its id (reusing ``job_id`` is idempotent).
+
+        ``params`` is a ``SamplingParams`` or a dict of its fields (OpenAI's
+        ``max_completion_tokens`` too); a bad one raises ``ValueError`` naming the field. The
+        stored params carry every default and a seed, so any worker runs the job the same way.
+        """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        from engine.sampling_params import SamplingParams
-
-        SamplingParams.from_dict(params or {})  # fail here, naming the field
+        if not isinstance(params, SamplingParams):
+            params = openai_sampling_params(params or {})
         row = job_row(
-            id=job_id, model=model or self.model, custom_id=custom_id, messages=messages, params=params or {},
+            id=job_id, model=model or self.model, custom_id=custom_id, messages=messages,
+            params=with_seed(params).to_dict(),
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
         )
@@ -107,16 +115,16 @@ class Client:
         model = model or self.model
         if isinstance(source, (str, Path)):
             input_file = str(source)
-            parsed = parse_file(source)
+            parsed = parse_file(source, model=model)
         else:
             input_file = None
-            parsed = parse_lines(r if isinstance(r, str) else json.dumps(r) for r in source)
+            parsed = parse_lines((r if isinstance(r, (str, bytes)) else json.dumps(r) for r in source), model=model)
         if count_tokens is not None and max_model_len is not None:
             check_lengths(parsed, count_tokens, max_model_len)
         rows = [
             job_row(
                 model=model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint, prompt=r.prompt,
-                prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=r.params,
+                prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=with_seed(r.params).to_dict(),
             )
             for r in parsed.requests
         ]

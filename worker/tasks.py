@@ -20,6 +20,7 @@ from . import runtime
 from .app import TASK_NAME, app
 from .config import env, max_job_seconds, model_slug
 from .models import FAILED, SUCCEEDED
+from .request import request_from_payload
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,11 @@ def generate(self, job_id: str, payload: dict[str, Any]) -> str:
 
 def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: dict[str, Any]) -> str:
     request_id = f"{job_id}#{attempt}"
-    prompt = payload.get("prompt")
-    if prompt is None:
-        prompt = payload.get("prompt_token_ids_in")
     if not rt.loop.running:
         raise RuntimeError(f"engine loop is not running: {rt.loop.error!r}")
     try:
-        handle = rt.loop.submit(prompt, messages=payload.get("messages"), params=payload.get("params") or {},
-                                request_id=request_id)
+        req = request_from_payload(payload)
+        handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id)
     except ValueError as exc:  # bad input: fail this job only, never retry it
         store.fail(job_id, attempt, str(exc), "invalid_request")
         return "failed"
