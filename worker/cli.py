@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .config import Settings, env
+from .config import Settings, env, redact_url
 
 console = Console(stderr=True)
 
@@ -71,6 +71,7 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
         settings.device = device
     path = Path(file).resolve()
     name = batch_name or f"{path}@{settings.model}"
+    console.print(f"broker {redact_url(settings.broker_url)}, database {redact_url(settings.database_url)}")
     with console.status(f"loading the tokenizer of {settings.model}"):
         counter = token_counter(settings.model)
     sub = client.submit_batch(path, name=name, retry_failed=retry_failed, count_tokens=counter,
@@ -234,6 +235,8 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     # queue at the next step, instead of the batch draining while threads ack and fetch anew.
     argv = ["worker", "-P", "threads", "-c", str(concurrency or 2 * seqs), "-Q", settings.queue_name, "-n", node,
             "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
+    console.print(f"worker {node}: queue {settings.queue_name}, broker {redact_url(broker)}, "
+                  f"database {redact_url(settings.database_url)}")
     app.worker_main(argv)
 
 
@@ -257,7 +260,9 @@ def status(ctx, batch):
     from .store import Store
     from .config import database_url_from_env
 
-    store = Store(ctx.obj["database_url"] or database_url_from_env())
+    url = ctx.obj["database_url"] or database_url_from_env()
+    store = Store(url)
+    console.print(f"database {redact_url(url)}")
     if batch is None:
         table = Table("batch", "name", "model", "total", "queued", "running", "ok", "failed", "cancelled", "finished")
         for b in store.batches():
