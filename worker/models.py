@@ -28,7 +28,7 @@ class Batch(Base):
 
     __tablename__ = "batches"
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    id: Mapped[str] = mapped_column(NulSafeString(64), primary_key=True)  # looked up by user-given strings
     name: Mapped[str | None] = mapped_column(NulSafeString(255), unique=True)
     input_file: Mapped[str | None] = mapped_column(NulSafeText)
     model: Mapped[str] = mapped_column(String(255))
@@ -52,8 +52,8 @@ class Job(Base):
         Index("ix_jobs_batch_status", "batch_id", "status"),
     )
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    batch_id: Mapped[str | None] = mapped_column(String(64), ForeignKey("batches.id", ondelete="CASCADE"))
+    id: Mapped[str] = mapped_column(NulSafeString(64), primary_key=True)
+    batch_id: Mapped[str | None] = mapped_column(NulSafeString(64), ForeignKey("batches.id", ondelete="CASCADE"))
     custom_id: Mapped[str | None] = mapped_column(NulSafeString(255))
     line_no: Mapped[int | None]
     model: Mapped[str] = mapped_column(String(255))

@@ -54,7 +54,9 @@ class _NulSafe(TypeDecorator):
 
 class NulSafeText(_NulSafe):
     impl = Text
+    cache_ok = True  # SQLAlchemy reads it from each class itself
 
 
 class NulSafeString(_NulSafe):
     impl = String
+    cache_ok = True
