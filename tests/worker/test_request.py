@@ -235,3 +235,34 @@ def test_nul_escape_round_trips(text):
     assert "\x00" not in stored and unescape_nul(stored) == text
     if "\x00" not in text and not text.startswith("\ufdd0"):
         assert stored == text
+
+
+# ---- the producer ------------------------------------------------------------------------
+def test_producer_stores_full_params_with_a_seed(sqlite_url, redis_url, unique_queue):
+    """Rows carry every default and a seed, so a retry elsewhere runs the same request; a line
+    for another model is a failed row, not a job for this one."""
+    import redis
+
+    from worker.client import Client
+
+    client = Client(broker_url=redis_url, database_url=sqlite_url, model="org/Tiny", queue=unique_queue)
+    try:
+        sub = client.submit_batch([
+            {"custom_id": "unseeded", "prompt": "a", "temperature": 0.8},
+            {"custom_id": "seeded", "prompt": "b", "seed": 5, "max_completion_tokens": 7},
+            {"custom_id": "other-model", "prompt": "c", "model": "gpt-9-ultra"},
+            {"custom_id": "same-model", "prompt": "d", "model": "tiny"},
+        ])
+        jobs = {j.custom_id: j for j in client.store.jobs(sub.batch_id)}
+        assert jobs["unseeded"].params == {**SamplingParams(temperature=0.8).to_dict(),
+                                           "seed": jobs["unseeded"].params["seed"]}
+        assert isinstance(jobs["unseeded"].params["seed"], int)
+        assert jobs["seeded"].params["seed"] == 5 and jobs["seeded"].params["max_tokens"] == 7
+        assert jobs["other-model"].status == "failed" and "gpt-9-ultra" in jobs["other-model"].error
+        assert jobs["same-model"].status == "queued"
+        single = client.store.get_job(client.submit("e", params={"max_completion_tokens": 3}))
+        assert single.params["max_tokens"] == 3 and single.params["seed"] is not None
+        with pytest.raises(ValueError, match="^temperature"):
+            client.submit("f", params={"temperature": 2.5})
+    finally:
+        redis.Redis.from_url(redis_url).delete(unique_queue)
