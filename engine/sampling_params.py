@@ -119,7 +119,9 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {_short(self.max_tokens)}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={_short(self.max_tokens)}], got {_short(self.min_tokens)}")
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={_short(self.max_tokens)}], got {_short(self.min_tokens)}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {_short(self.logprobs)}")
 
