@@ -71,7 +71,8 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
         settings.device = device
     path = Path(file).resolve()
     name = batch_name or f"{path}@{settings.model}"
-    console.print(f"broker {redact_url(settings.broker_url)}, database {redact_url(settings.database_url)}")
+    console.print(f"broker {redact_url(settings.broker_url)}, database {redact_url(settings.database_url)}",
+                  soft_wrap=True)  # never break a URL across lines
     with console.status(f"loading the tokenizer of {settings.model}"):
         counter = token_counter(settings.model)
     sub = client.submit_batch(path, name=name, retry_failed=retry_failed, count_tokens=counter,
@@ -236,7 +237,7 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     argv = ["worker", "-P", "threads", "-c", str(concurrency or 2 * seqs), "-Q", settings.queue_name, "-n", node,
             "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
     console.print(f"worker {node}: queue {settings.queue_name}, broker {redact_url(broker)}, "
-                  f"database {redact_url(settings.database_url)}")
+                  f"database {redact_url(settings.database_url)}", soft_wrap=True)
     app.worker_main(argv)
 
 
@@ -262,7 +263,7 @@ def status(ctx, batch):
 
     url = ctx.obj["database_url"] or database_url_from_env()
     store = Store(url)
-    console.print(f"database {redact_url(url)}")
+    console.print(f"database {redact_url(url)}", soft_wrap=True)
     if batch is None:
         table = Table("batch", "name", "model", "total", "queued", "running", "ok", "failed", "cancelled", "finished")
         for b in store.batches():
