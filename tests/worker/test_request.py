@@ -51,7 +51,29 @@ openai_lines = st.fixed_dictionaries(
     optional={"method": st.sampled_from(["POST", "GET"])},
 )
 plain_lines = st.builds(lambda b, c: {**b, **c}, body, st.fixed_dictionaries({}, optional={"custom_id": nasty_text | values}))
+# Near-valid lines (each field plausible, some values out of range) so the fuzz reaches the
+# sampling params and the model check, not only the first structural error.
+near_params = st.fixed_dictionaries({}, optional={
+    "max_tokens": st.integers(-1, 5000) | _numbers(), "max_completion_tokens": st.none() | st.integers(0, 5000),
+    "temperature": st.floats(0, 2.2) | _numbers(), "top_p": st.floats(0, 1), "top_k": st.integers(-2, 100),
+    "n": st.integers(0, 130), "seed": st.integers(-(2**64), 2**64), "min_tokens": st.integers(0, 10),
+    "stop": st.none() | nasty_text | st.lists(nasty_text, max_size=3), "stop_token_ids": st.lists(st.integers(-1, 500)),
+    "presence_penalty": st.floats(-3, 3), "ignore_eos": st.booleans(), "user": nasty_text,
+})
+near_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                                "content": nasty_text}), min_size=1, max_size=3)
+near_prompt = nasty_text.filter(bool) | st.lists(st.integers(0, 300), min_size=1, max_size=5)
+near_model = st.fixed_dictionaries({}, optional={"model": st.sampled_from(["tiny", "org/Tiny", "gpt-9-ultra"])})
+near_chat = st.builds(lambda m, p, mo: {"messages": m, **p, **mo}, near_messages, near_params, near_model)
+near_completion = st.builds(lambda pr, p, mo: {"prompt": pr, **p, **mo}, near_prompt, near_params, near_model)
+near_openai = st.one_of(
+    st.builds(lambda cid, b: {"custom_id": cid, "url": "/v1/chat/completions", "body": b}, nasty_text, near_chat),
+    st.builds(lambda cid, b: {"custom_id": cid, "url": "/v1/completions", "body": b}, nasty_text, near_completion),
+)
+near_plain = st.builds(lambda b, c: {**b, **c}, near_chat | near_completion,
+                       st.fixed_dictionaries({}, optional={"custom_id": nasty_text}))
 line_texts = st.one_of(
+    near_openai.map(json.dumps), near_plain.map(json.dumps), near_openai.map(lambda d: json.dumps(d).encode()),
     openai_lines.map(json.dumps), plain_lines.map(json.dumps),  # json.dumps writes NaN and Infinity as such
     values.map(json.dumps), st.text(max_size=40),
     st.binary(max_size=40),  # not UTF-8, mostly
@@ -193,6 +215,13 @@ payloads = st.fixed_dictionaries(
                   "messages": messages | values,
                   "params": param_dicts | st.builds(lambda p: with_seed(p).to_dict(), st.just(SamplingParams())) | values},
 ) | values
+near_sampling = near_params.map(lambda d: {k: v for k, v in d.items() if k not in ("max_completion_tokens", "user")})
+near_payloads = st.one_of(
+    st.builds(lambda pr, p: {"prompt": pr, "params": p}, near_prompt, near_sampling),
+    st.builds(lambda pr, p: {"prompt_token_ids_in": pr, "params": p}, st.lists(st.integers(-1, 300), max_size=70),
+              near_sampling),
+    st.builds(lambda m, p: {"messages": m, "params": p}, near_messages, near_sampling),
+)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +233,7 @@ def tiny_engine(tiny_model_dir):
 
 
 @FUZZ
-@given(payload=payloads)
+@given(payload=near_payloads | payloads)
 def test_fuzz_task_payload_to_engine_request(tiny_engine, payload):
     """What a worker receives -> the engine request, through the same two calls as the task
     (``request_from_payload`` then the engine's ``make_request``), without running a model."""
