@@ -21,9 +21,10 @@ from engine.sampling_params import SamplingParams
 from .app import TASK_NAME, make_app
 from .config import Settings, queue_name
 from .embedded import ensure_broker_url
-from .formats import BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
+from .formats import MAX_CUSTOM_ID, BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
 from .models import QUEUED, RUNNING, TERMINAL
 from .request import openai_sampling_params, with_seed
+from .sqltypes import stored_length
 from .store import JOB_PAYLOAD_FIELDS, PreparedBatch, Store, job_row
 
 CountTokens = Callable[[Request], int]
@@ -83,6 +84,8 @@ class Client:
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if custom_id is not None and not 0 < stored_length(custom_id) <= MAX_CUSTOM_ID:
+            raise ValueError(f"custom_id must be 1 to {MAX_CUSTOM_ID} characters as stored")  # the column's limit
         if not isinstance(params, SamplingParams):
             params = openai_sampling_params(params or {})
         row = job_row(

@@ -293,5 +293,7 @@ def test_producer_stores_full_params_with_a_seed(sqlite_url, redis_url, unique_q
         assert single.params["max_tokens"] == 3 and single.params["seed"] is not None
         with pytest.raises(ValueError, match="^temperature"):
             client.submit("f", params={"temperature": 2.5})
+        with pytest.raises(ValueError, match="^custom_id"):
+            client.submit("g", custom_id="x" * 256)
     finally:
         redis.Redis.from_url(redis_url).delete(unique_queue)
