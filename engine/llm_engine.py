@@ -7,6 +7,7 @@ other threads, so bad input fails in the caller, at submission, never inside the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -126,6 +127,9 @@ class LLMEngine:
                 f"prompt needs {self.block_manager.blocks_needed(len(token_ids) + 1)} KV-cache blocks but the "
                 f"cache holds {self.block_manager.num_blocks}; raise kv_cache_memory_bytes"
             )
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens > room:  # a limit past the context ends with "length", never fails
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         metrics = RequestMetrics(arrival_time=arrival_time or time.time(), num_prompt_tokens=len(token_ids))
         return Request(
             request_id=request_id or uuid.uuid4().hex,

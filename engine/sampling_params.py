@@ -1,9 +1,23 @@
-"""``SamplingParams``: how one request is sampled and when it stops (vLLM's names and defaults)."""
+"""``SamplingParams``: how one request is sampled and when it stops (vLLM's names).
+
+The one request model: every default and every bound lives here. The batch reader, the client
+and the worker build a ``SamplingParams`` and never check a field themselves, so the rules
+cannot drift apart between the producer and the worker.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+#: A line without a limit may generate this many tokens (clamped to the context left after the
+#: prompt). Long enough that a typical answer ends by EOS, bounded so a model stuck in a loop
+#: costs at most this much per sample instead of the whole context.
+DEFAULT_MAX_TOKENS = 1024
+MAX_N = 128  # samples per request (each one holds a sequence slot and its KV blocks)
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI and vLLM take it
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], allow_none: bool = False) -> None:
@@ -13,8 +27,19 @@ def _check_type(name: str, value: Any, types: tuple[type, ...], allow_none: bool
         raise ValueError(f"{name} must be {' or '.join(t.__name__ for t in types)}, got bool {value!r}")
     if not isinstance(value, types):
         raise ValueError(
-            f"{name} must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__} {value!r}"
+            f"{name} must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__} {_short(value)}"
         )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: errors name a hostile value without echoing 10 MB."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -34,7 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -64,35 +89,41 @@ class SamplingParams:
         _check_type("max_tokens", self.max_tokens, (int,))
         _check_type("min_tokens", self.min_tokens, (int,))
         _check_type("ignore_eos", self.ignore_eos, (bool,))
+        _check_type("include_stop_str_in_output", self.include_stop_str_in_output, (bool,))
+        _check_type("skip_special_tokens", self.skip_special_tokens, (bool,))
         _check_type("logprobs", self.logprobs, (int,), allow_none=True)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {_short(self.stop)}")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {_short(self.stop_token_ids)}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {_short(self.n)}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {_short(self.temperature)}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {_short(self.seed)}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1], got {_short(self.top_p)}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (off), -1 (off) or positive, got {self.top_k}")
+            raise ValueError(f"top_k must be 0 (off), -1 (off) or positive, got {_short(self.top_k)}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ValueError(f"min_p must be in [0, 1], got {_short(self.min_p)}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+            raise ValueError(f"repetition_penalty must be positive, got {_short(self.repetition_penalty)}")
         if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {_short(self.presence_penalty)}")
         if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {_short(self.frequency_penalty)}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise ValueError(f"max_tokens must be at least 1, got {_short(self.max_tokens)}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={_short(self.max_tokens)}], got {_short(self.min_tokens)}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise ValueError(f"logprobs must be in [0, 20], got {_short(self.logprobs)}")
 
     @property
     def greedy(self) -> bool:
@@ -106,9 +137,11 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        """Build from a JSON-like dict; an unknown key is a ``ValueError`` naming it."""
+        """Build from a JSON-like dict; anything wrong is a ``ValueError`` naming the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling params must be an object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k)[:40] for k in set(data) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**data)

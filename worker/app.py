@@ -6,6 +6,9 @@ Start Flower with ``celery -A worker.app flower``.
 
 from __future__ import annotations
 
+import ssl
+from urllib.parse import parse_qs, urlsplit
+
 from celery import Celery
 from kombu import Queue
 
@@ -14,11 +17,24 @@ from .config import env, broker_url_from_env, model_from_env, queue_name, visibi
 FALLBACK_BROKER = "redis://127.0.0.1:6379/0"
 TASK_NAME = "specbatch.generate"
 
+def broker_ssl(broker_url: str) -> dict | None:
+    """TLS options for a ``rediss://`` URL that names none: verify the server against the
+    system's CAs. (kombu reads ``ssl_cert_reqs``/``ssl_ca_certs``/... from the URL's query,
+    but without them it connects with ``CERT_NONE``, i.e. encrypted yet unauthenticated.)"""
+    parts = urlsplit(broker_url)
+    query = parse_qs(parts.query)
+    if parts.scheme != "rediss" or "ssl_cert_reqs" in query:
+        return None
+    files = {k: v[-1] for k, v in query.items() if k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")}
+    return {**files, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+
+
 def _settings(broker_url: str) -> dict:
     vt = visibility_timeout()
     default_queue = queue_name(model_from_env())
     return dict(
         broker_url=broker_url,
+        broker_use_ssl=broker_ssl(broker_url),
         broker_connection_retry_on_startup=True,
         broker_connection_retry=True,
         broker_connection_max_retries=None,  # a restarting Redis is waited for, never given up on

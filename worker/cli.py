@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .config import Settings, env
+from .config import Settings, env, redact_url
 
 console = Console(stderr=True)
 
@@ -71,6 +71,8 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
         settings.device = device
     path = Path(file).resolve()
     name = batch_name or f"{path}@{settings.model}"
+    console.print(f"broker {redact_url(settings.broker_url)}, database {redact_url(settings.database_url)}",
+                  soft_wrap=True)  # never break a URL across lines
     with console.status(f"loading the tokenizer of {settings.model}"):
         counter = token_counter(settings.model)
     sub = client.submit_batch(path, name=name, retry_failed=retry_failed, count_tokens=counter,
@@ -171,19 +173,25 @@ def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the chat template.")
 @click.option("--model", default=None)
-@click.option("--max-tokens", type=int, default=64)
-@click.option("--temperature", type=float, default=0.0)
+@click.option("--max-tokens", type=int, default=None, help="Output limit (default: SamplingParams', clamped to the context).")
+@click.option("--temperature", type=float, default=None, help="0 is greedy (default: SamplingParams').")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: a fresh one, recorded with the job).")
 @click.option("--custom-id", default=None)
 @click.option("--wait", "wait_s", type=float, default=None, help="Wait up to this many seconds and print the result.")
 @click.pass_context
-def submit(ctx, prompt, chat, model, max_tokens, temperature, custom_id, wait_s):
+def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s):
     """Enqueue one job and print its id."""
     client = _client(ctx, model=model)
-    params = {"max_tokens": max_tokens, "temperature": temperature}
-    if chat:
-        job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id)
-    else:
-        job_id = client.submit(prompt, params=params, custom_id=custom_id)
+    # Only what was given: every default is SamplingParams' own (one request model).
+    params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("seed", seed))
+              if v is not None}
+    try:
+        if chat:
+            job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id)
+        else:
+            job_id = client.submit(prompt, params=params, custom_id=custom_id)
+    except ValueError as exc:  # SamplingParams names the field
+        raise click.UsageError(str(exc)) from None
     click.echo(job_id)
     if wait_s is not None:
         from .formats import output_line
@@ -238,6 +246,8 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     # queue at the next step, instead of the batch draining while threads ack and fetch anew.
     argv = ["worker", "-P", "threads", "-c", str(concurrency or 2 * seqs), "-Q", settings.queue_name, "-n", node,
             "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
+    console.print(f"worker {node}: queue {settings.queue_name}, broker {redact_url(broker)}, "
+                  f"database {redact_url(settings.database_url)}", soft_wrap=True)
     app.worker_main(argv)
 
 
@@ -261,7 +271,9 @@ def status(ctx, batch):
     from .store import Store
     from .config import database_url_from_env
 
-    store = Store(ctx.obj["database_url"] or database_url_from_env())
+    url = ctx.obj["database_url"] or database_url_from_env()
+    store = Store(url)
+    console.print(f"database {redact_url(url)}", soft_wrap=True)
     if batch is None:
         _print_workers(store)
         table = Table("batch", "name", "model", "total", "queued", "running", "ok", "failed", "cancelled", "finished")

@@ -16,12 +16,16 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy.exc import OperationalError
 
+from engine.sampling_params import SamplingParams
+
 from .app import TASK_NAME, make_app
 from .config import Settings, queue_name
 from .embedded import ensure_broker_url
-from .formats import BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
+from .formats import MAX_CUSTOM_ID, BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
 from .models import QUEUED, RUNNING, TERMINAL
 from .publish import publish_jobs
+from .request import openai_sampling_params, with_seed
+from .sqltypes import stored_length
 from .store import PreparedBatch, Store, job_row
 
 CountTokens = Callable[[Request], int]
@@ -68,21 +72,28 @@ class Client:
         prompt: str | list[int] | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
-        params: dict[str, Any] | None = None,
+        params: dict[str, Any] | SamplingParams | None = None,
         model: str | None = None,
         custom_id: str | None = None,
         job_id: str | None = None,
     ) -> str:
-        """Store and enqueue one job; returns its id (reusing ``job_id`` is idempotent)."""
+        """Store and enqueue one job; returns its id (reusing ``job_id`` is idempotent).
+
+        ``params`` is a ``SamplingParams`` or a dict of its fields (OpenAI's
+        ``max_completion_tokens`` too); a bad one raises ``ValueError`` naming the field. The
+        stored params carry every default and a seed, so any worker runs the job the same way.
+        """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        from engine.sampling_params import SamplingParams
-
-        SamplingParams.from_dict(params or {})  # fail here, naming the field
+        if custom_id is not None and not 0 < stored_length(custom_id) <= MAX_CUSTOM_ID:
+            raise ValueError(f"custom_id must be 1 to {MAX_CUSTOM_ID} characters as stored")  # the column's limit
+        if not isinstance(params, SamplingParams):
+            params = openai_sampling_params(params or {})
         model = model or self.model
         row = job_row(
-            id=job_id, model=model, custom_id=custom_id, messages=messages, params=params or {},
-            queue=self.queue_for(model), prompt=prompt if isinstance(prompt, str) else None,
+            id=job_id, model=model, custom_id=custom_id, messages=messages,
+            params=with_seed(params).to_dict(), queue=self.queue_for(model),
+            prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
         )
         self.store.upsert_jobs([row])
@@ -109,16 +120,16 @@ class Client:
         model = model or self.model
         if isinstance(source, (str, Path)):
             input_file = str(source)
-            parsed = parse_file(source)
+            parsed = parse_file(source, model=model)
         else:
             input_file = None
-            parsed = parse_lines(r if isinstance(r, str) else json.dumps(r) for r in source)
+            parsed = parse_lines((r if isinstance(r, (str, bytes)) else json.dumps(r) for r in source), model=model)
         if count_tokens is not None and max_model_len is not None:
             check_lengths(parsed, count_tokens, max_model_len)
         rows = [
             job_row(
                 model=model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint, prompt=r.prompt,
-                prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=r.params,
+                prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=with_seed(r.params).to_dict(),
                 queue=self.queue_for(model),
             )
             for r in parsed.requests

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_DATABASE_URL = "sqlite:///specbatch.db"
@@ -45,6 +46,32 @@ def visibility_timeout() -> float:
     so twice that (plus a margin) keeps a live job from ever being handed to a second worker.
     """
     return 2.0 * max_job_seconds() + 300.0
+
+
+_SECRET_QUERY_KEYS = frozenset({"password", "passwd", "pass", "secret", "token"})
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` fit to print or log: the password (``user:pw@`` or a ``password=`` query value)
+    becomes ``***``. Every URL the CLI or a worker shows goes through here."""
+    if not url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    userinfo, at, host = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+            query = urlencode([(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs], safe="/*")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url  # nothing secret (and ``scheme:///path`` keeps its form)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def model_slug(model: str) -> str:

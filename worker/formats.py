@@ -6,29 +6,29 @@ input line ends as exactly one output line."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
-DEFAULT_MAX_TOKENS = 256  # OpenAI leaves it to the model's context; we pick a bounded default
+from engine.sampling_params import SamplingParams
 
-# OpenAI body fields -> SamplingParams names (n, seed, stop, top_p, ... keep their name).
-_RENAMES = {"max_completion_tokens": "max_tokens"}
-_SAMPLING_FIELDS = (
-    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-    "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-)
+from .config import model_slug
+from .request import OPENAI_SAMPLING_FIELDS, openai_sampling_params
+from .sqltypes import stored_length
+
+MAX_CUSTOM_ID = 255  # the jobs.custom_id column
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
-    name: str | None = None
+    content: StrictStr | list[dict[str, Any]]
+    name: StrictStr | None = None
 
     @field_validator("content")
     @classmethod
@@ -43,47 +43,29 @@ class Message(BaseModel):
         return v
 
 
-class _Sampling(BaseModel):
-    """The sampling fields every body may carry (vLLM extensions included)."""
+class _Body(BaseModel):
+    """What every body may carry besides its prompt; the sampling fields arrive as extras and
+    go to ``SamplingParams`` (the one place that checks them), anything else is unknown."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1, le=128)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    user: str | None = None  # accepted and ignored, as OpenAI does for batch lines
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    user: StrictStr | None = None  # accepted and ignored, as OpenAI does for batch lines
     stream: Literal[False] | None = None
 
-    def sampling_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {}
-        for name in _SAMPLING_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                params[_RENAMES.get(name, name)] = value
-        params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-        return params
+    def sampling_fields(self) -> dict[str, Any]:
+        extra = self.model_extra or {}
+        unknown = sorted(k[:40] for k in extra if k not in OPENAI_SAMPLING_FIELDS)
+        if unknown:
+            raise _FieldError(f"{', '.join(unknown)}: unknown field")
+        return extra
 
 
-class ChatBody(_Sampling):
+class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
 
 
-class CompletionBody(_Sampling):
-    prompt: str | list[int]
+class CompletionBody(_Body):
+    prompt: StrictStr | list[StrictInt]
 
     @field_validator("prompt")
     @classmethod
@@ -97,17 +79,17 @@ class BatchLine(BaseModel):
     """One OpenAI Batch API input line."""
 
     model_config = ConfigDict(extra="forbid")
-    custom_id: str = Field(min_length=1, max_length=255)
+    custom_id: StrictStr = Field(min_length=1, max_length=MAX_CUSTOM_ID)
     method: Literal["POST"] = "POST"
     url: Literal["/v1/chat/completions", "/v1/completions"]
     body: dict[str, Any]
 
 
-class PlainLine(_Sampling):
+class PlainLine(_Body):
     """A plain line: ``{"prompt": …}`` or ``{"messages": …}`` plus optional sampling fields."""
 
-    custom_id: str | None = Field(default=None, min_length=1, max_length=255)
-    prompt: str | list[int] | None = None
+    custom_id: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CUSTOM_ID)
+    prompt: StrictStr | list[StrictInt] | None = None
     messages: list[Message] | None = None
 
     @model_validator(mode="after")
@@ -121,6 +103,10 @@ class PlainLine(_Sampling):
         return self
 
 
+class _FieldError(ValueError):
+    """A line's own error, already phrased as ``field: cause``."""
+
+
 @dataclass(slots=True)
 class Request:
     """One good input line, ready to become a job."""
@@ -128,7 +114,7 @@ class Request:
     line_no: int
     custom_id: str
     endpoint: Literal["chat", "completions"]
-    params: dict[str, Any]
+    params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -159,69 +145,117 @@ class Parsed:
 def _pydantic_error(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:3]:
-        loc = ".".join(str(p) for p in err["loc"]) or "line"
+        loc = ".".join(str(p)[:40] for p in err["loc"]) or "line"
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
         parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
 
 
-def _check_params(params: dict[str, Any]) -> None:
-    """The engine's own checks (names the field), without loading a model."""
-    from engine.sampling_params import SamplingParams
+def _decode(raw: str | bytes, line_no: int) -> str | BadLine:
+    """A line as text; bytes that are not UTF-8 make this line bad, not the whole file."""
+    if isinstance(raw, bytes):
+        try:
+            return raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            return BadLine(line_no, f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start}")
+    return raw
 
-    SamplingParams.from_dict(params)
+
+def _has_lone_surrogate(text: str, data: Any) -> bool:
+    """True when the line holds text that is not Unicode (a lone UTF-16 surrogate): no
+    database or UTF-8 file can store it, so it must fail here, for this line only."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    if not _SURROGATE_ESCAPE.search(text):
+        return False
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
-def parse_line(text: str, line_no: int) -> Request | BadLine:
+def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> Request | BadLine:
+    """One line -> a ``Request`` or a ``BadLine`` naming the line and the field; never raises.
+
+    With ``model`` (the batch's), a line naming another model is bad: it is never silently
+    served by this one. Names match by ``model_slug`` (``org/Name`` == ``name``).
+    """
+    text = _decode(raw, line_no)
+    if isinstance(text, BadLine):
+        return text
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         return BadLine(line_no, f"malformed JSON: {exc.msg} at column {exc.colno}")
+    except RecursionError:
+        return BadLine(line_no, "malformed JSON: nested too deeply")
+    except ValueError as exc:  # e.g. an integer longer than Python's 4300-digit limit
+        return BadLine(line_no, f"malformed JSON: {exc}"[:200])
     if not isinstance(data, dict):
         return BadLine(line_no, f"expected a JSON object, got {type(data).__name__}")
     custom_id = data.get("custom_id") if isinstance(data.get("custom_id"), str) else None
+    if custom_id is not None and not 0 < stored_length(custom_id) <= MAX_CUSTOM_ID:
+        custom_id = None  # the bad line's own error says why; it cannot keep this id
     if custom_id is None and "body" not in data and "url" not in data:
         custom_id = f"line-{line_no}"  # what a good plain line would have been called
+    if _has_lone_surrogate(text, data):
+        if custom_id is not None and _has_lone_surrogate(custom_id, None):
+            custom_id = None
+        return BadLine(line_no, "text holds a lone UTF-16 surrogate (not valid Unicode)", custom_id)
     try:
         if "body" in data or "url" in data:
             line = BatchLine.model_validate(data)
+            cid = line.custom_id
             if line.url == "/v1/chat/completions":
                 body = ChatBody.model_validate(line.body)
-                req = Request(line_no, line.custom_id, "chat", body.sampling_params(),
+                req = Request(line_no, cid, "chat", _sampling(body),
                               messages=[m.model_dump(exclude_none=True) for m in body.messages], model=body.model)
             else:
                 body = CompletionBody.model_validate(line.body)
-                req = _completion(line_no, line.custom_id, body.prompt, body.sampling_params(), body.model)
+                req = _completion(line_no, cid, body.prompt, _sampling(body), body.model)
         else:
             plain = PlainLine.model_validate(data)
             cid = plain.custom_id or f"line-{line_no}"
             if plain.messages is not None:
-                req = Request(line_no, cid, "chat", plain.sampling_params(),
+                req = Request(line_no, cid, "chat", _sampling(plain),
                               messages=[m.model_dump(exclude_none=True) for m in plain.messages], model=plain.model)
             else:
-                req = _completion(line_no, cid, plain.prompt, plain.sampling_params(), plain.model)
-        _check_params(req.params)
+                req = _completion(line_no, cid, plain.prompt, _sampling(plain), plain.model)
+        if stored_length(cid) > MAX_CUSTOM_ID:
+            raise _FieldError(f"custom_id: longer than {MAX_CUSTOM_ID} characters as stored "
+                              "(each NUL or backslash in an id with a NUL counts twice)")
+        if model is not None and req.model is not None and model_slug(req.model) != model_slug(model):
+            raise _FieldError(f"model: {req.model[:80]!r} is not this batch's model {model!r}")
     except ValidationError as exc:
         return BadLine(line_no, _pydantic_error(exc), custom_id)
+    except _FieldError as exc:
+        return BadLine(line_no, str(exc), custom_id)
     except ValueError as exc:
         return BadLine(line_no, f"invalid params: {exc}", custom_id)
     return req
 
 
-def _completion(line_no: int, cid: str, prompt: str | list[int], params: dict[str, Any], model: str | None) -> Request:
+def _sampling(body: _Body) -> SamplingParams:
+    return openai_sampling_params(body.sampling_fields())
+
+
+def _completion(line_no: int, cid: str, prompt: str | list[int], params: SamplingParams, model: str | None) -> Request:
     if isinstance(prompt, list):
         return Request(line_no, cid, "completions", params, prompt_token_ids=list(prompt), model=model)
     return Request(line_no, cid, "completions", params, prompt=prompt, model=model)
 
 
-def parse_lines(lines: Iterable[str], *, start: int = 1) -> Parsed:
+def parse_lines(lines: Iterable[str | bytes], *, start: int = 1, model: str | None = None) -> Parsed:
     """Parse every line; blank lines are skipped; duplicate custom_ids are bad lines."""
     parsed = Parsed()
     seen: dict[str, int] = {}
     for line_no, text in enumerate(lines, start=start):
         if not text.strip():
             continue
-        item = parse_line(text, line_no)
+        item = parse_line(text, line_no, model=model)
         if isinstance(item, Request):
             first = seen.get(item.custom_id)
             if first is not None:
@@ -238,14 +272,16 @@ def parse_lines(lines: Iterable[str], *, start: int = 1) -> Parsed:
     return parsed
 
 
-def parse_file(path: str | Path) -> Parsed:
-    with open(path, encoding="utf-8") as fh:
-        return parse_lines(fh)
+def parse_file(path: str | Path, *, model: str | None = None) -> Parsed:
+    """Read as bytes so one line that is not UTF-8 is one bad line, not a failed file."""
+    with open(path, "rb") as fh:
+        return parse_lines(fh, model=model)
 
 
 def check_lengths(parsed: Parsed, count_tokens: Callable[[Request], int], max_model_len: int) -> None:
     """Move requests whose prompt leaves no room in the context to the bad lines (the same
-    rule the engine applies at submission, checked up front so no job is wasted)."""
+    rule the engine applies at submission, checked up front so no job is wasted). A
+    ``max_tokens`` beyond the room left is fine: generation stops there with ``length``."""
     keep = []
     for req in parsed.requests:
         try:

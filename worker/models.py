@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from .sqltypes import NulSafeString, NulSafeText  # user text may hold NUL (see sqltypes)
 
 # Job statuses. Terminal ones are never left again except by an explicit retry.
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
@@ -26,9 +28,9 @@ class Batch(Base):
 
     __tablename__ = "batches"
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    name: Mapped[str | None] = mapped_column(String(255), unique=True)
-    input_file: Mapped[str | None] = mapped_column(Text)
+    id: Mapped[str] = mapped_column(NulSafeString(64), primary_key=True)  # looked up by user-given strings
+    name: Mapped[str | None] = mapped_column(NulSafeString(255), unique=True)
+    input_file: Mapped[str | None] = mapped_column(NulSafeText)
     model: Mapped[str] = mapped_column(String(255))
     params: Mapped[dict[str, Any] | None]
     num_total: Mapped[int] = mapped_column(Integer, default=0)
@@ -51,13 +53,13 @@ class Job(Base):
         Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
     )
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    batch_id: Mapped[str | None] = mapped_column(String(64), ForeignKey("batches.id", ondelete="CASCADE"))
-    custom_id: Mapped[str | None] = mapped_column(String(255))
+    id: Mapped[str] = mapped_column(NulSafeString(64), primary_key=True)
+    batch_id: Mapped[str | None] = mapped_column(NulSafeString(64), ForeignKey("batches.id", ondelete="CASCADE"))
+    custom_id: Mapped[str | None] = mapped_column(NulSafeString(255))
     line_no: Mapped[int | None]
     model: Mapped[str] = mapped_column(String(255))
     endpoint: Mapped[str] = mapped_column(String(32), default="completions")  # "chat" | "completions"
-    prompt: Mapped[str | None] = mapped_column(Text)
+    prompt: Mapped[str | None] = mapped_column(NulSafeText)
     prompt_token_ids_in: Mapped[list[Any] | None]  # a prompt given as token ids
     messages: Mapped[list[Any] | None]
     params: Mapped[dict[str, Any] | None]
@@ -71,11 +73,11 @@ class Job(Base):
     worker: Mapped[str | None] = mapped_column(String(255))
     device: Mapped[str | None] = mapped_column(String(64))
     # results
-    output_text: Mapped[str | None] = mapped_column(Text)
+    output_text: Mapped[str | None] = mapped_column(NulSafeText)
     output_token_ids: Mapped[list[Any] | None]
     outputs: Mapped[list[Any] | None]  # every sample when n > 1: [{text, token_ids, finish_reason}]
     finish_reason: Mapped[str | None] = mapped_column(String(16))
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(NulSafeText)
     error_type: Mapped[str | None] = mapped_column(String(64))
     # timings (epoch seconds)
     enqueued_at: Mapped[float | None]

@@ -22,6 +22,7 @@ from . import runtime
 from .app import TASK_NAME, app
 from .config import env, max_job_seconds, model_slug
 from .models import FAILED, SUCCEEDED
+from .request import request_from_payload
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,6 +92,8 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
 def generate(self, job_id: str, payload: dict[str, Any]) -> str:
     rt = runtime.get()
     store = runtime.store()
+    if not isinstance(payload, dict):  # a hostile message: the job (if any) fails as invalid below
+        payload = {"malformed_payload": repr(payload)[:200]}
     if rt.dead or rt.draining:
         return hand_back(rt, job_id, payload)
     worker = self.request.hostname or runtime.worker_name(rt.label)
@@ -117,14 +120,11 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
     from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
 
     request_id = f"{job_id}#{attempt}"
-    prompt = payload.get("prompt")
-    if prompt is None:
-        prompt = payload.get("prompt_token_ids_in")
     if rt.dead or rt.draining or not rt.loop.running:
         return give_back(rt, store, job_id, attempt, payload, "worker stopping", forgive=True)
     try:
-        handle = rt.loop.submit(prompt, messages=payload.get("messages"), params=payload.get("params") or {},
-                                request_id=request_id)
+        req = request_from_payload(payload)
+        handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id)
     except ValueError as exc:  # bad input: fail this job only, never retry it
         with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"))
         return "failed"

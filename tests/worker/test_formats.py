@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from worker.formats import BadLine, Request, check_lengths, output_line, parse_line, parse_lines
 
 
@@ -17,7 +18,7 @@ def test_openai_chat_line():
     req = parse_line(chat_line(max_tokens=5, temperature=0, stop="\n", seed=3, model="x"), 1)
     assert isinstance(req, Request)
     assert req.endpoint == "chat" and req.custom_id == "a"
-    assert req.params == {"max_tokens": 5, "temperature": 0, "stop": "\n", "seed": 3}
+    assert req.params == SamplingParams(max_tokens=5, temperature=0, stop=["\n"], seed=3)
     assert req.messages == [{"role": "user", "content": "hi"}]
 
 
@@ -26,17 +27,17 @@ def test_openai_completion_line_and_token_prompt():
                        "body": {"prompt": "Once", "max_completion_tokens": 7, "n": 2}})
     req = parse_line(line, 2)
     assert req.endpoint == "completions" and req.prompt == "Once"
-    assert req.params == {"max_tokens": 7, "n": 2}
+    assert req.params == SamplingParams(max_tokens=7, n=2)
     line = json.dumps({"custom_id": "t", "url": "/v1/completions", "body": {"prompt": [1, 2, 3]}})
     assert parse_line(line, 3).prompt_token_ids == [1, 2, 3]
 
 
 def test_plain_lines():
     req = parse_line('{"prompt": "hello", "max_tokens": 4}', 7)
-    assert req.custom_id == "line-7" and req.prompt == "hello" and req.params["max_tokens"] == 4
+    assert req.custom_id == "line-7" and req.prompt == "hello" and req.params.max_tokens == 4
     req = parse_line('{"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}', 8)
     assert req.endpoint == "chat" and req.messages[0]["content"] == "x"
-    assert req.params["max_tokens"] == 256
+    assert req.params.max_tokens == DEFAULT_MAX_TOKENS
 
 
 def test_bad_lines_name_the_cause():

@@ -1,0 +1,91 @@
+"""Outside dicts -> the engine's request model, in one place.
+
+``SamplingParams`` owns every default and bound; this module only maps names onto it: the
+OpenAI body fields of a bulk line or a ``Client.submit`` call (``openai_sampling_params``),
+and the task payload a worker receives (``request_from_payload``). Every failure is a
+``ValueError`` naming the field, so a bad request fails its own job and nothing else.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.sampling_params import SEED_MAX, SamplingParams
+
+#: OpenAI body fields that become ``SamplingParams`` (vLLM's extensions included);
+#: ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``.
+OPENAI_SAMPLING_FIELDS = frozenset({
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+    "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+})
+
+
+def openai_sampling_params(fields: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from OpenAI-named fields; ``null`` means "the default", as in OpenAI.
+
+    ``max_completion_tokens`` and the deprecated ``max_tokens`` mean the same limit: either one
+    is taken, both are fine when equal, and two different values are an error (never one
+    silently winning).
+    """
+    given = {k: v for k, v in fields.items() if v is not None}
+    newer = given.pop("max_completion_tokens", None)
+    if newer is not None:
+        older = given.get("max_tokens")
+        if older is not None and (type(older) is not type(newer) or older != newer):
+            raise ValueError(
+                f"max_completion_tokens ({_brief(newer)}) and max_tokens ({_brief(older)}) differ; "
+                "give one (max_tokens is the older name of the same limit)"
+            )
+        given["max_tokens"] = newer
+    try:
+        return SamplingParams.from_dict(given)
+    except ValueError as exc:
+        if newer is not None and str(exc).startswith("max_tokens"):
+            raise ValueError(f"max_completion_tokens: {exc}") from None
+        raise
+
+
+def fresh_seed() -> int:
+    """A random non-negative 63-bit seed (fits every generator that takes an int64)."""
+    return secrets.randbelow(SEED_MAX + 1)
+
+
+def with_seed(params: SamplingParams) -> SamplingParams:
+    """``params`` with a seed: unseeded requests get a fresh one, recorded with the job, so a
+    retry on another worker draws the same samples (irrelevant, and harmless, when greedy)."""
+    return params if params.seed is not None else replace(params, seed=fresh_seed())
+
+
+@dataclass(frozen=True, slots=True)
+class WorkRequest:
+    """What the engine is handed for one job: a prompt (text or token ids) or messages."""
+
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    params: SamplingParams
+
+
+def request_from_payload(payload: Any) -> WorkRequest:
+    """The engine request a task payload (a job row's ``JOB_PAYLOAD_FIELDS``) describes.
+
+    Prompt shape, tokenisation and length are the engine's ``make_request`` checks; this only
+    finds the parts and builds the sampling params the producer stored.
+    """
+    if not isinstance(payload, dict):
+        raise ValueError(f"payload must be an object, got {type(payload).__name__}")
+    prompt = payload.get("prompt")
+    if prompt is None:
+        prompt = payload.get("prompt_token_ids_in")
+    messages = payload.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ValueError("payload needs exactly one of prompt, prompt_token_ids_in or messages")
+    params = payload.get("params")
+    return WorkRequest(prompt, messages, SamplingParams.from_dict({} if params is None else params))
+
+
+def _brief(value: Any) -> str:
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"{type(value).__name__} too large"
+    return text if len(text) <= 40 else text[:37] + "..."
