@@ -121,7 +121,7 @@ class Worker(Base):
     queue: Mapped[str | None] = mapped_column(String(255))
     model: Mapped[str | None] = mapped_column(String(255))
     state: Mapped[str] = mapped_column(String(16))
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(NulSafeText)
     starts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     started_at: Mapped[float | None]
