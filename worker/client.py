@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 
 from .app import TASK_NAME, make_app
 from .config import Settings, queue_name
+from .dbretry import with_db_retry
 from .embedded import ensure_broker_url
 from .formats import MAX_CUSTOM_ID, BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
 from .models import QUEUED, RUNNING, TERMINAL
@@ -96,7 +97,7 @@ class Client:
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
         )
-        self.store.upsert_jobs([row])
+        with_db_retry("submit", lambda: self.store.upsert_jobs([row]))
         self.publish([row])
         return row["id"]
 

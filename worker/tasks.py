@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from celery.worker.control import control_command
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from . import runtime
 from .app import TASK_NAME, app
 from .config import env, max_job_seconds, model_slug
+from .dbretry import with_db_retry
 from .models import FAILED, SUCCEEDED
 from .request import request_from_payload
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def lease_seconds() -> float:
@@ -39,27 +38,6 @@ def heartbeat_seconds() -> float:
 
 def max_attempts() -> int:
     return int(env("MAX_ATTEMPTS", "3"))
-
-
-def db_retry_seconds() -> float:
-    """How long a task keeps retrying the database (its message stays unacked meanwhile)."""
-    return float(env("DB_RETRY_SECONDS", "300"))
-
-
-def with_db_retry(what: str, fn: Callable[[], T]) -> T:
-    """Run a store call, retrying with backoff while the database is unreachable. A finished
-    result waits here, in memory, until it is written: the message is acked only after."""
-    deadline = time.monotonic() + db_retry_seconds()
-    delay = 0.2
-    while True:
-        try:
-            return fn()
-        except (OperationalError, InterfaceError) as exc:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("%s: database unreachable (%s); retrying in %.1f s", what, type(exc).__name__, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 def hand_back(rt: runtime.Runtime, job_id: str, payload: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ cache preempts and still finishes everything; a cancelled queued job never runs.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -95,14 +96,22 @@ def test_database_cut_for_20_seconds(pg_url, redis_url, unique_queue, tiny_model
     settings = Settings(broker_url=redis_url, database_url=proxied, model=tiny_model, device="cpu",
                         queue=unique_queue)
 
+    submitted: list[str] = []
+    producer = client_for(settings)
+
     def cut_for_20_s() -> None:
         proxy.cut()
+        # A producer submitting during the cut waits for the database, then goes through.
+        during = threading.Thread(target=lambda: submitted.append(producer.submit("sent during the cut")))
+        during.start()
         time.sleep(20.0)
         proxy.restore()
+        during.join(120)
 
     try:
         logs = run_through_outage(settings, tmp_path, "db-cut", cut_for_20_s)
         assert "database unreachable" in logs  # the cut was felt, and waited out
+        assert len(submitted) == 1 and producer.wait(submitted[0], timeout=120) == SUCCEEDED
     finally:
         proxy.close()
 

@@ -1,0 +1,39 @@
+"""Waiting out a database outage: store calls retried with backoff while it is unreachable.
+
+Workers hold a finished result in memory (its message unacked) until it is written; producers
+wait for the database to come back rather than drop a submission.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, TypeVar
+
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from .config import env
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def db_retry_seconds() -> float:
+    """How long a task keeps retrying the database (its message stays unacked meanwhile)."""
+    return float(env("DB_RETRY_SECONDS", "300"))
+
+
+def with_db_retry(what: str, fn: Callable[[], T]) -> T:
+    """Run a store call, retrying with backoff while the database is unreachable. A finished
+    result waits here, in memory, until it is written: the message is acked only after."""
+    deadline = time.monotonic() + db_retry_seconds()
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s: database unreachable (%s); retrying in %.1f s", what, type(exc).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
