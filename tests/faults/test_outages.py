@@ -49,9 +49,9 @@ def test_sigterm_drains_then_gives_back_at_once(workers):
     assert max(stored_results(workers.logs()).values()) == 1
 
 
-def run_through_outage(settings: Settings, tmp_path, name: str, outage) -> str:
+def run_through_outage(settings: Settings, tmp_path, name: str, outage, after=lambda: None) -> str:
     """60 jobs on two workers; ``outage()`` strikes once 5 have succeeded; all must end
-    succeeded exactly once. Returns the workers' logs."""
+    succeeded exactly once (then ``after()`` runs, workers still up). Returns the workers' logs."""
     group = Workers(settings, tmp_path)
     try:
         client = client_for(settings)
@@ -62,6 +62,7 @@ def run_through_outage(settings: Settings, tmp_path, name: str, outage) -> str:
         outage()
         counts = client.wait(batch_id, timeout=240)  # the producer's own polls live through it too
         assert counts[SUCCEEDED] == 60, counts
+        after()
         logs = group.logs()
         assert max(stored_results(logs).values()) == 1
         return logs
@@ -108,10 +109,12 @@ def test_database_cut_for_20_seconds(pg_url, redis_url, unique_queue, tiny_model
         proxy.restore()
         during.join(120)
 
-    try:
-        logs = run_through_outage(settings, tmp_path, "db-cut", cut_for_20_s)
-        assert "database unreachable" in logs  # the cut was felt, and waited out
+    def the_late_submission_ran() -> None:
         assert len(submitted) == 1 and producer.wait(submitted[0], timeout=120) == SUCCEEDED
+
+    try:
+        logs = run_through_outage(settings, tmp_path, "db-cut", cut_for_20_s, after=the_late_submission_ran)
+        assert "database unreachable" in logs  # the cut was felt, and waited out
     finally:
         proxy.close()
 
