@@ -40,7 +40,6 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
@@ -91,6 +90,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
     aborted: bool = False
+    # The seed sampling uses: params.seed, or one drawn fresh at submission (reported back).
+    seed: int | None = None
 
     @property
     def is_finished(self) -> bool:

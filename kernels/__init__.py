@@ -5,7 +5,7 @@ computes) and, where Triton runs, a Triton kernel. ``kernel_backend`` picks one 
 ``SPECBATCH_KERNEL_BACKEND=torch|triton`` overrides the choice.
 
 Dispatchers: ``paged_attention``, ``write_kv``, ``copy_blocks``, ``gather_kv`` and
-``rejection_sample``, each taking ``backend=``. The Triton kernels live in ``kernels._triton_*``
+``coupled_sample``, each taking ``backend=``. The Triton kernels live in ``kernels._triton_*``
 and are imported on first use only, so ``TRITON_INTERPRET=1`` (the CPU interpreter, used by
 the tests) takes effect as long as it is set before the first Triton call.
 """
@@ -18,7 +18,7 @@ import torch
 
 from kernels.cache_ops import copy_blocks_torch, gather_kv_torch, write_kv_torch
 from kernels.paged_attention import paged_attention_torch
-from kernels.sampling import rejection_sample_torch
+from kernels.sampling import coupled_sample_torch
 
 BACKENDS = ("torch", "triton")
 TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
@@ -88,14 +88,14 @@ def gather_kv(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
     return gather_kv_torch(*args, **kwargs)
 
 
-def rejection_sample(*args, backend: str = "torch", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch the rejection sampler's accept/resample step (see ``kernels.sampling``)."""
+def coupled_sample(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+    """Dispatch the seeded sampling step (see ``kernels.sampling``)."""
     _check(backend)
     if backend == "triton":
-        from kernels.sampling import rejection_sample_triton
+        from kernels.sampling import coupled_sample_triton
 
-        return rejection_sample_triton(*args, **kwargs)
-    return rejection_sample_torch(*args, **kwargs)
+        return coupled_sample_triton(*args, **kwargs)
+    return coupled_sample_torch(*args, **kwargs)
 
 
 __all__ = [
@@ -107,8 +107,8 @@ __all__ = [
     "kernel_backend",
     "paged_attention",
     "paged_attention_torch",
-    "rejection_sample",
-    "rejection_sample_torch",
+    "coupled_sample",
+    "coupled_sample_torch",
     "write_kv",
     "write_kv_torch",
 ]

@@ -14,13 +14,14 @@ import time
 
 import torch
 
-from engine.sampler import SampleRow
+from engine.sampler import SampleRow, noise_keys
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec.adaptive import Acceptance, StepCost, best_k_for_costs
 from engine.spec.calibration import DRAFT_LAYOUTS, TARGET_LAYOUTS, time_layouts
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import EMPTY, Proposer
-from engine.spec.rejection import accept_greedy, sample_with_generator
+from engine.spec.rejection import accept_prefix, sample_rejection
+from kernels.counter_rng import ACCEPT, RESAMPLE
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,6 @@ class Speculator:
     def verify(self, sched, inputs, logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
         start = time.perf_counter()
         engine = self.engine
-        sampler = engine.sampler
         entries: list[tuple[Sequence, int, list[int]]] = []
         for i, row0, num_rows in inputs.sample_rows:
             seq = sched.scheduled[i].seq
@@ -105,35 +105,7 @@ class Speculator:
             self._count_step(sum(len(tokens) for _seq, tokens in accepted_out))
             self._observe_step(sched, decode_only, start)
             return accepted_out
-        results: list[tuple[list[int], int] | None] = [None] * len(entries)
-
-        greedy = [e for e, (seq, _, _) in enumerate(entries) if seq.params.greedy]
-        random_ = [e for e, (seq, _, _) in enumerate(entries) if not seq.params.greedy]
-        for group, is_greedy in ((greedy, True), (random_, False)):
-            if not group:
-                continue
-            rows, index = [], []
-            for e in group:
-                seq, row0, drafts = entries[e]
-                for j in range(len(drafts) + 1):
-                    rows.append(SampleRow(seq, drafts[:j]))
-                    index.append(row0 + j)
-            group_logits = logits[torch.tensor(index, device=logits.device)]
-            if is_greedy:
-                argmax = sampler.processed_logits(group_logits, rows).argmax(-1).tolist()
-            else:
-                probs = sampler.target_probs(group_logits, rows)
-            offset = 0
-            for e in group:
-                seq, _, drafts = entries[e]
-                n = len(drafts) + 1
-                if is_greedy:
-                    results[e] = accept_greedy(argmax[offset : offset + n], drafts)
-                else:
-                    results[e] = sample_with_generator(
-                        probs[offset : offset + n], drafts, seq.draft_probs, sampler.generator_for(seq)
-                    )
-                offset += n
+        results = self._accept(entries, logits)
 
         accepted_out: list[tuple[Sequence, list[int]]] = []
         want_logprobs: list[tuple[Sequence, int, list[int]]] = []
@@ -162,6 +134,41 @@ class Speculator:
         stats["spec_steps"] += 1
         self._observe_step(sched, decode_only, start)
         return accepted_out
+
+    def _accept(self, entries: list[tuple[Sequence, int, list[int]]], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+        """Sample every target row (1 + drafts per sequence) and keep each agreeing prefix.
+
+        Rows are sampled exactly as plain steps would sample those positions (same noise, same
+        distribution), so the emitted tokens are the non-speculative ones. ``rejection`` mode
+        runs Leviathan/Chen on its sampled (non-greedy) sequences instead.
+        """
+        sampler = self.engine.sampler
+        rows, index = [], []
+        for seq, row0, drafts in entries:
+            for j in range(len(drafts) + 1):
+                rows.append(SampleRow(seq, drafts[:j]))
+                index.append(row0 + j)
+        rows_logits = logits[torch.tensor(index, device=logits.device)]
+        leviathan = self.config.acceptance == "rejection"
+        plain = [r for r, row in enumerate(rows) if not (leviathan and not row.seq.params.greedy)]
+        sampled = [0] * len(rows)
+        if plain:
+            sub = sampler.sample(rows_logits[torch.tensor(plain, device=logits.device)], [rows[r] for r in plain])
+            for r, token in zip(plain, sub):
+                sampled[r] = token
+        results, offset = [], 0
+        for seq, _row0, drafts in entries:
+            n = len(drafts) + 1
+            if leviathan and not seq.params.greedy:
+                own = rows[offset : offset + n]
+                probs = sampler.target_probs(rows_logits[offset : offset + n], own)
+                results.append(sample_rejection(
+                    probs, drafts, seq.draft_probs, noise_keys(own[:-1], ACCEPT), noise_keys(own, RESAMPLE)
+                ))
+            else:
+                results.append(accept_prefix(sampled[offset : offset + n], drafts))
+            offset += n
+        return results
 
     def _observe_step(self, sched, decode_only: bool, start: float) -> None:
         """Feed the step's cost (forward + verification) to the cost model, for decode steps
