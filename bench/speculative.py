@@ -6,7 +6,11 @@
    to its first layers): measured acceptance alpha, cost ratio c and speedup, against Leviathan's
    prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1));
 3. suffix decoding on 64 extraction requests whose outputs share one JSON shape, vs no speculation;
-4. batch 32 on the long-tail chat workload (``bench/workload.py``): "auto" vs no speculation.
+4. batch 32 on the long-tail chat workload (``bench/workload.py``): "auto" vs no speculation;
+5. acceptance of coupled verification (the default) vs Leviathan/Chen rejection sampling with
+   weight-perturbed drafts, sampled at temperature 1;
+6. section 4 with a CPU hog beside it (another process running matmuls for the section's
+   duration): does "auto" still hold >= 0.95x no speculation on a busy machine?
 
 Every figure is measured in this run; ratios are what to read (the machine is shared).
 
@@ -247,6 +251,51 @@ def section_long_tail(base: LLM, args) -> None:
         print(f"  ratio {method} auto / no speculation: {r1 / r0:.2f}x  (target >= 0.95); {cost_note(llm, num)}")
 
 
+def section_acceptance(base: LLM, args) -> None:
+    k = args.draft_k
+    prompts = [base.engine.apply_chat_template([{"role": "user", "content": g}]) for g in GROUNDED]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=args.draft_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
+    print(f"\n[5] acceptance, coupled vs rejection: {len(prompts)} grounded prompts in one batch, temperature 1, "
+          f"{args.draft_tokens} tokens, draft k={k}")
+    for sigma in (float(x) for x in args.perturb_sigmas.split(",") if x):
+        model = perturbed_copy(base, sigma, 0)
+        for mode in ("coupled", "rejection"):
+            llm = engine_like(base, speculative_config={"method": "draft", "draft_model": model,
+                                                        "num_speculative_tokens": k, "acceptance": mode})
+            t, n, _ = timed_generate(llm, prompts, params, one_by_one=False)
+            alpha, a, d = acceptance(llm)
+            steps = llm.engine.stats.get("spec_steps", 0)
+            emitted = llm.engine.stats.get("spec_emitted_tokens", 0)
+            line(f"sigma {sigma} {mode}", t, n, f"(per-token acceptance {alpha:.3f}; accepted {a}/{d} drafts = "
+                 f"{a / max(d, 1):.3f}; {emitted / max(steps, 1):.2f} tokens per step)")
+        del model
+
+
+def cpu_hog(seconds: float) -> None:
+    """Another process's work: float32 matmuls on one thread until ``seconds`` pass."""
+    torch.set_num_threads(1)
+    a = torch.randn(512, 512)
+    end = time.time() + seconds
+    while time.time() < end:
+        a = torch.tanh(a @ a)
+
+
+def section_busy(base: LLM, args) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    hog = ctx.Process(target=cpu_hog, args=(args.hog_seconds,), daemon=True)
+    hog.start()
+    print(f"\n[6] section 4 with a CPU hog beside it (pid {hog.pid}, one thread of matmuls, at most "
+          f"{args.hog_seconds:.0f}s)", flush=True)
+    try:
+        section_long_tail(base, args)
+    finally:
+        hog.kill()
+        hog.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -262,6 +311,7 @@ def main() -> None:
     parser.add_argument("--long-tail-requests", type=int, default=32)
     parser.add_argument("--long-tail-methods", default="ngram")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hog-seconds", type=float, default=900.0, help="upper bound on section 6's CPU hog")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (the engine picks bfloat16 there)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 is far steadier on a machine shared with other work")
@@ -284,6 +334,10 @@ def main() -> None:
         section_suffix(base, args)
     if "4" in sections:
         section_long_tail(base, args)
+    if "5" in sections:
+        section_acceptance(base, args)
+    if "6" in sections:
+        section_busy(base, args)
     print(f"\ntotal {time.perf_counter() - start:.0f}s")
 
 

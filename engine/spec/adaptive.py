@@ -15,6 +15,9 @@ scheduled tokens, so at batch ``B`` one more draft token for every sequence cost
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 import numpy as np
 
 
@@ -121,6 +124,35 @@ class StepCost:
             return self.single
         a, b, s = self.coefficients()
         return a + b * n + s * batch
+
+
+class RealizedCost:
+    """How far the cost model is off for speculative steps *relative to* plain ones, right now.
+
+    Each decode step reports ``observed / predicted`` seconds (its "slowness"), speculative and
+    plain steps apart; ``factor`` is the ratio of the two medians over the last ``window`` of
+    each. A busy machine slows both kinds alike and leaves the factor near 1, whatever the
+    absolute timings; a speculative step that costs more than the model said (measured: extra
+    tokens slow down far more than fixed overheads when another process takes a core) raises
+    it, and the speculator multiplies its step ratios by it. Medians over a window mean no
+    single slow step moves it; until both kinds have ``min_samples`` it is 1 (trust the model).
+    """
+
+    def __init__(self, window: int = 16, min_samples: int = 5, bounds: tuple[float, float] = (0.5, 4.0)) -> None:
+        self.plain: deque[float] = deque(maxlen=window)
+        self.spec: deque[float] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self.bounds = bounds
+
+    def observe(self, speculative: bool, observed: float, predicted: float) -> None:
+        if predicted > 0 and observed > 0:
+            (self.spec if speculative else self.plain).append(observed / predicted)
+
+    def factor(self) -> float:
+        if len(self.plain) < self.min_samples or len(self.spec) < self.min_samples:
+            return 1.0
+        ratio = statistics.median(self.spec) / statistics.median(self.plain)
+        return min(max(ratio, self.bounds[0]), self.bounds[1])
 
 
 class Acceptance:

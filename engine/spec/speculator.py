@@ -16,7 +16,7 @@ import torch
 
 from engine.sampler import SampleRow, noise_keys
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec.adaptive import Acceptance, StepCost, best_k_for_costs
+from engine.spec.adaptive import Acceptance, RealizedCost, StepCost, best_k_for_costs, expected_tokens
 from engine.spec.calibration import DRAFT_LAYOUTS, TARGET_LAYOUTS, time_layouts
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import EMPTY, Proposer
@@ -35,6 +35,11 @@ STAT_KEYS = (
     "spec_proposer_failures",
 )
 PROBE_EVERY = 8  # a sequence held at k = 0 by low acceptance retries k = 1 this often
+# Where the expected gain is marginal (below CONTROL_BELOW), every CONTROL_EVERY-th step runs the
+# other way (plain if speculating, speculating if held off by measured cost), so the realized
+# cost of both kinds is measured close together in time, on the machine as it is now.
+CONTROL_EVERY = 8
+CONTROL_BELOW = 1.5
 
 
 def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
@@ -71,6 +76,9 @@ class Speculator:
         self.draft_overhead_per_step = 0.0
         self.held: dict[int, int] = {}  # seq_id -> steps at k = 0 since the last probe
         self.last_c = 0.0  # Leviathan's c at the last choice with k > 0 (benchmarks report it)
+        self.realized = RealizedCost()
+        self.choices = 0  # propose calls that chose k (control steps count from it)
+        self.pending_proposer = (0.0, 0.0)  # (seconds, predicted seconds) of the drafts in flight
         if config.adaptive:
             self.calibrate()
 
@@ -173,9 +181,20 @@ class Speculator:
     def _observe_step(self, sched, decode_only: bool, start: float) -> None:
         """Feed the step's cost (forward + verification) to the cost model, for decode steps
         only: a prefill chunk's cost per token differs."""
+        proposer_seconds, proposer_predicted = self.pending_proposer
+        self.pending_proposer = (0.0, 0.0)
         if decode_only:
             seconds = self.engine.last_forward_seconds + time.perf_counter() - start
-            self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
+            n, batch = sched.num_tokens, len(sched.scheduled)
+            if self.target_cost.ready:
+                speculative = n > batch
+                predicted = self.target_cost.predict(n, batch)
+                if speculative:
+                    seconds_all, predicted = seconds + proposer_seconds, predicted + proposer_predicted
+                else:
+                    seconds_all = seconds
+                self.realized.observe(speculative, seconds_all, predicted)
+            self.target_cost.observe(n, batch, seconds)
 
     def _stats(self) -> dict:
         stats = self.engine.stats
@@ -233,7 +252,15 @@ class Speculator:
             seq.draft_token_ids = list(tokens)
             seq.draft_probs = proposal.probs[: len(tokens)] if proposal.probs is not None else None
             proposed += len(tokens)
+        self.pending_proposer = (seconds, self._predicted_proposer(len(seqs), max(ks, default=0), proposed))
         self._observe_proposer(seconds, proposed)
+
+    def _predicted_proposer(self, batch: int, k: int, proposed: int) -> float:
+        """What the cost model expects the proposer to have cost for these drafts."""
+        if self.config.method == "draft":
+            per_step = self.draft_cost.predict(batch, batch) if self.draft_cost.ready else 0.0
+            return k * (per_step + self.draft_overhead_per_step)
+        return proposed * self.proposer_seconds_per_token
 
     def _observe_proposer(self, seconds: float, proposed: int) -> None:
         timings = getattr(self.proposer, "timings", None)
@@ -272,7 +299,23 @@ class Speculator:
         limits = [self._room(seq, k_max) for seq in seqs]
         if not self.config.adaptive:
             return limits
-        ratios = self.step_ratios(len(seqs), k_max)
+        model = self.step_ratios(len(seqs), k_max)
+        factor = self.realized.factor()
+        ratios = [1.0] + [r * factor for r in model[1:]]
+        ks = self._choose(seqs, limits, ratios)
+        self.choices += 1
+        if self.choices % CONTROL_EVERY == 0:
+            gain = max(expected_tokens(self.acceptance.global_alpha, k) / ratios[k] for k in range(len(ratios)))
+            if max(ks) > 0 and gain < CONTROL_BELOW:
+                ks = [0] * len(seqs)  # a plain step to compare with
+            elif max(ks) == 0 and factor > 1.0:
+                ks = self._choose(seqs, limits, model)  # what the model alone would do, measured again
+        chosen = max(ks)
+        if chosen:
+            self.last_c = (ratios[chosen] - 1.0) / chosen
+        return ks
+
+    def _choose(self, seqs: list[Sequence], limits: list[int], ratios: list[float]) -> list[int]:
         min_speedup = self.config.min_speedup
         worth_probing = best_k_for_costs(0.9, ratios, min_speedup) > 0
         ks = []
@@ -286,9 +329,6 @@ class Speculator:
                     k, waited = 1, 0
                 self.held[seq.seq_id] = waited
             ks.append(k)
-        chosen = max(ks)
-        if chosen:
-            self.last_c = (ratios[chosen] - 1.0) / chosen
         return ks
 
     def _room(self, seq: Sequence, k: int) -> int:
