@@ -301,7 +301,7 @@ class Speculator:
             return limits
         model = self.step_ratios(len(seqs), k_max)
         factor = self.realized.factor()
-        ratios = [1.0] + [r * factor for r in model[1:]]
+        ratios = [1.0] + [max(1.0, r * factor) for r in model[1:]]  # drafts are never free
         ks = self._choose(seqs, limits, ratios)
         self.choices += 1
         if self.choices % CONTROL_EVERY == 0:
