@@ -72,7 +72,9 @@ class StepCost:
         self.fixed = np.zeros((3, 5))
         self.online = np.zeros((3, 5))
         self.single: float | None = None  # EMA of one-token steps
+        self.single_calibrated: float | None = None
         self._coefficients: tuple[float, float, float] | None = None  # cached until the next observation
+        self._calibrated: tuple[float, float, float] | None = None
 
     @staticmethod
     def _outer(n: float, b: float, seconds: float) -> np.ndarray:
@@ -83,8 +85,11 @@ class StepCost:
         self._coefficients = None
         if n == 1:
             self.single = seconds if self.single is None or calibration else 0.8 * self.single + 0.2 * seconds
+            if calibration:
+                self.single_calibrated = seconds
             return
         if calibration:
+            self._calibrated = None
             self.fixed += self._outer(n, batch, seconds)
         else:
             self.online = self.online * self.decay + self._outer(n, batch, seconds)
@@ -99,8 +104,8 @@ class StepCost:
             self._coefficients = self._solve()
         return self._coefficients
 
-    def _solve(self) -> tuple[float, float, float]:
-        m = self.fixed + self.online
+    def _solve(self, m: np.ndarray | None = None) -> tuple[float, float, float]:
+        m = self.fixed + self.online if m is None else m
         if m[0, 0] <= 0:
             return 0.0, 0.0, 0.0
         xtx, xty, yty = m[:, :3], m[:, 3], m[0, 4]
@@ -124,6 +129,24 @@ class StepCost:
             return self.single
         a, b, s = self.coefficients()
         return a + b * n + s * batch
+
+    def calibrated_ratio(self, n: int, batch: int) -> float | None:
+        """Cost of ``n`` tokens over ``batch`` tokens by the start-up calibration alone: timings
+        taken back to back (best of repeats), so a ratio of them survives a busy machine that
+        the online fit may not (seen: another process made it fit a zero cost per token)."""
+        if self.fixed[0, 0] <= 0:
+            return None
+        if self._calibrated is None:
+            self._calibrated = self._solve(self.fixed)
+        a, b, s = self._calibrated
+
+        def cost(tokens: int) -> float:
+            if tokens == 1 and self.single_calibrated is not None:
+                return self.single_calibrated
+            return a + b * tokens + s * batch
+
+        base = cost(batch)
+        return cost(n) / base if base > 0 else None
 
 
 class RealizedCost:

@@ -291,7 +291,10 @@ class Speculator:
                 draft = k * (per_step + self.draft_overhead_per_step)
             else:
                 draft = k * batch * self.proposer_seconds_per_token
-            ratios.append((target.predict(batch * (1 + k), batch) + draft) / plain)
+            verify = target.predict(batch * (1 + k), batch) / plain
+            # Never cheaper than the calibration's back-to-back timings say verification is.
+            floor = target.calibrated_ratio(batch * (1 + k), batch)
+            ratios.append(max(verify, floor or 0.0) + draft / plain)
         return ratios
 
     def choose_k(self, seqs: list[Sequence]) -> list[int]:

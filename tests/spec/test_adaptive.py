@@ -108,3 +108,14 @@ def test_one_slow_step_does_not_move_the_realized_cost():
     realized.observe(True, 3.0, 0.3)  # a ten-times slower step (the machine stalled once)
     realized.observe(False, 0.01, 0.1)
     assert realized.factor() == pytest.approx(1.0)
+
+
+def test_calibrated_ratio_survives_an_online_fit_that_lost_the_cost_per_token():
+    cost = StepCost()
+    for batch, q in ((1, 2), (1, 8), (4, 1), (4, 4), (16, 1)):
+        cost.observe(batch * q, batch, 0.01 + 0.001 * batch * q, calibration=True)
+    for _ in range(300):  # a busy machine: every step ~0.2 s whatever its size
+        for n in (32, 64, 160):
+            cost.observe(n, 32, 0.2)
+    assert cost.predict(160, 32) / cost.predict(32, 32) == pytest.approx(1.0, abs=0.05)
+    assert cost.calibrated_ratio(160, 32) == pytest.approx((0.01 + 0.16) / (0.01 + 0.032), rel=0.05)
