@@ -6,7 +6,8 @@
    to its first layers): measured acceptance alpha, cost ratio c and speedup, against Leviathan's
    prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1));
 3. suffix decoding on 64 extraction requests whose outputs share one JSON shape, vs no speculation;
-4. batch 32 on the long-tail chat workload (``bench/workload.py``): "auto" vs no speculation;
+4. batch 32 on the long-tail chat workload (``bench/workload.py``): "auto" vs no speculation,
+   run A B B A so the machine's other load cancels;
 5. acceptance of coupled verification (the default) vs Leviathan/Chen rejection sampling with
    weight-perturbed drafts, sampled at temperature 1;
 6. section 4 with a CPU hog beside it (another process running matmuls for the section's
@@ -234,21 +235,45 @@ def section_suffix(base: LLM, args) -> None:
             print(f"  {cost_note(llm, min(num, args.max_num_seqs))}")
 
 
-def section_long_tail(base: LLM, args) -> None:
+def section_long_tail(base: LLM, args, hog_seconds: float = 0.0) -> None:
+    """Batch 32 on the long-tail chat workload, ngram auto vs no speculation, run A B B A (no
+    speculation, auto, auto, no speculation) so drift in the machine's other load cancels out
+    of the ratio; with ``hog_seconds`` a CPU hog (another process) runs beside it, killed after."""
+    import multiprocessing
+
     num = args.long_tail_requests
     convs, max_tokens = long_tail_workload(num, args.seed)
-    print(f"\n[4] long-tail chat workload: {num} requests, max_num_seqs {num}, max_tokens sum {sum(max_tokens)}, greedy")
     prompts = [base.engine.apply_chat_template(c) for c in convs]
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     plain = engine_like(base, max_num_seqs=num)
-    t, n, _ = timed_generate(plain, prompts, params, one_by_one=False)
-    r0 = line("no speculation", t, n)
-    for method in args.long_tail_methods.split(","):
-        llm = engine_like(base, max_num_seqs=num, speculative_config={"method": method})
-        t, n, _ = timed_generate(llm, prompts, params, one_by_one=False)
-        alpha, a, d = acceptance(llm)
-        r1 = line(f"{method} auto", t, n, f"(accepted {a}/{d} drafts)")
-        print(f"  ratio {method} auto / no speculation: {r1 / r0:.2f}x  (target >= 0.95); {cost_note(llm, num)}")
+    methods = args.long_tail_methods.split(",")
+    hog = None
+    if hog_seconds:
+        hog = multiprocessing.get_context("spawn").Process(target=cpu_hog, args=(hog_seconds,), daemon=True)
+        hog.start()
+        print(f"\n[6] long-tail chat workload with a CPU hog beside it (pid {hog.pid}, one thread of matmuls, "
+              f"at most {hog_seconds:.0f}s)", flush=True)
+    else:
+        print("\n[4] long-tail chat workload", flush=True)
+    print(f"  {num} requests, max_num_seqs {num}, max_tokens sum {sum(max_tokens)}, greedy; runs A B B A")
+    try:
+        for method in methods:
+            auto = engine_like(base, max_num_seqs=num, speculative_config={"method": method})
+            totals = {False: [0.0, 0], True: [0.0, 0]}
+            for speculative in (False, True, True, False):
+                t, n, _ = timed_generate(auto if speculative else plain, prompts, params, one_by_one=False)
+                line(f"{method} auto" if speculative else "no speculation", t, n)
+                totals[speculative][0] += t
+                totals[speculative][1] += n
+            ratio = (totals[True][1] / totals[True][0]) / (totals[False][1] / totals[False][0])
+            alpha, a, d = acceptance(auto)
+            print(f"  ratio {method} auto / no speculation (A B B A totals): {ratio:.2f}x (target >= 0.95); accepted "
+                  f"{a}/{d} drafts; realized-cost factor {auto.engine.speculator.realized.factor():.2f}; "
+                  f"{cost_note(auto, num)}", flush=True)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.join()
 
 
 def section_acceptance(base: LLM, args) -> None:
@@ -282,37 +307,7 @@ def cpu_hog(seconds: float) -> None:
 
 
 def section_busy(base: LLM, args) -> None:
-    """Section 4's comparison with a CPU hog beside it, run A B B A (no speculation, auto, auto,
-    no speculation) so drift in the machine's other load cancels out of the ratio."""
-    import multiprocessing
-
-    num = args.long_tail_requests
-    convs, max_tokens = long_tail_workload(num, args.seed)
-    prompts = [base.engine.apply_chat_template(c) for c in convs]
-    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
-    plain = engine_like(base, max_num_seqs=num)
-    auto = engine_like(base, max_num_seqs=num, speculative_config={"method": "ngram"})
-    ctx = multiprocessing.get_context("spawn")
-    hog = ctx.Process(target=cpu_hog, args=(args.hog_seconds,), daemon=True)
-    hog.start()
-    print(f"\n[6] long-tail chat workload ({num} requests, max_num_seqs {num}, greedy) with a CPU hog beside it "
-          f"(pid {hog.pid}, one thread of matmuls, at most {args.hog_seconds:.0f}s); runs in the order A B B A", flush=True)
-    totals = {"no speculation": [0.0, 0], "ngram auto": [0.0, 0]}
-    try:
-        for name in ("no speculation", "ngram auto", "ngram auto", "no speculation"):
-            llm = plain if name == "no speculation" else auto
-            t, n, _ = timed_generate(llm, prompts, params, one_by_one=False)
-            line(name, t, n)
-            totals[name][0] += t
-            totals[name][1] += n
-    finally:
-        hog.kill()
-        hog.join()
-    rates = {name: n / t for name, (t, n) in totals.items()}
-    alpha, a, d = acceptance(auto)
-    print(f"  ratio ngram auto / no speculation (A B B A totals): {rates['ngram auto'] / rates['no speculation']:.2f}x "
-          f"(target >= 0.95); accepted {a}/{d} drafts; realized-cost factor {auto.engine.speculator.realized.factor():.2f}; "
-          f"{cost_note(auto, num)}")
+    section_long_tail(base, args, hog_seconds=args.hog_seconds)
 
 
 def main() -> None:
