@@ -6,7 +6,12 @@
    to its first layers): measured acceptance alpha, cost ratio c and speedup, against Leviathan's
    prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1));
 3. suffix decoding on 64 extraction requests whose outputs share one JSON shape, vs no speculation;
-4. batch 32 on the long-tail chat workload (``bench/workload.py``): "auto" vs no speculation.
+4. batch 32 on the long-tail chat workload (``bench/workload.py``): "auto" vs no speculation,
+   run A B B A so the machine's other load cancels;
+5. acceptance of coupled verification (the default) vs Leviathan/Chen rejection sampling with
+   weight-perturbed drafts, sampled at temperature 1;
+6. section 4 with a CPU hog beside it (another process running matmuls for the section's
+   duration): does "auto" still hold >= 0.95x no speculation on a busy machine?
 
 Every figure is measured in this run; ratios are what to read (the machine is shared).
 
@@ -230,21 +235,79 @@ def section_suffix(base: LLM, args) -> None:
             print(f"  {cost_note(llm, min(num, args.max_num_seqs))}")
 
 
-def section_long_tail(base: LLM, args) -> None:
+def section_long_tail(base: LLM, args, hog_seconds: float = 0.0) -> None:
+    """Batch 32 on the long-tail chat workload, ngram auto vs no speculation, run A B B A (no
+    speculation, auto, auto, no speculation) so drift in the machine's other load cancels out
+    of the ratio; with ``hog_seconds`` a CPU hog (another process) runs beside it, killed after."""
+    import multiprocessing
+
     num = args.long_tail_requests
     convs, max_tokens = long_tail_workload(num, args.seed)
-    print(f"\n[4] long-tail chat workload: {num} requests, max_num_seqs {num}, max_tokens sum {sum(max_tokens)}, greedy")
     prompts = [base.engine.apply_chat_template(c) for c in convs]
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     plain = engine_like(base, max_num_seqs=num)
-    t, n, _ = timed_generate(plain, prompts, params, one_by_one=False)
-    r0 = line("no speculation", t, n)
-    for method in args.long_tail_methods.split(","):
-        llm = engine_like(base, max_num_seqs=num, speculative_config={"method": method})
-        t, n, _ = timed_generate(llm, prompts, params, one_by_one=False)
-        alpha, a, d = acceptance(llm)
-        r1 = line(f"{method} auto", t, n, f"(accepted {a}/{d} drafts)")
-        print(f"  ratio {method} auto / no speculation: {r1 / r0:.2f}x  (target >= 0.95); {cost_note(llm, num)}")
+    methods = args.long_tail_methods.split(",")
+    hog = None
+    if hog_seconds:
+        hog = multiprocessing.get_context("spawn").Process(target=cpu_hog, args=(hog_seconds,), daemon=True)
+        hog.start()
+        print(f"\n[6] long-tail chat workload with a CPU hog beside it (pid {hog.pid}, one thread of matmuls, "
+              f"at most {hog_seconds:.0f}s)", flush=True)
+    else:
+        print("\n[4] long-tail chat workload", flush=True)
+    print(f"  {num} requests, max_num_seqs {num}, max_tokens sum {sum(max_tokens)}, greedy; runs A B B A")
+    try:
+        for method in methods:
+            auto = engine_like(base, max_num_seqs=num, speculative_config={"method": method})
+            totals = {False: [0.0, 0], True: [0.0, 0]}
+            for speculative in (False, True, True, False):
+                t, n, _ = timed_generate(auto if speculative else plain, prompts, params, one_by_one=False)
+                line(f"{method} auto" if speculative else "no speculation", t, n)
+                totals[speculative][0] += t
+                totals[speculative][1] += n
+            ratio = (totals[True][1] / totals[True][0]) / (totals[False][1] / totals[False][0])
+            alpha, a, d = acceptance(auto)
+            print(f"  ratio {method} auto / no speculation (A B B A totals): {ratio:.2f}x (target >= 0.95); accepted "
+                  f"{a}/{d} drafts; realized-cost factor {auto.engine.speculator.realized.factor():.2f}; "
+                  f"{cost_note(auto, num)}", flush=True)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.join()
+
+
+def section_acceptance(base: LLM, args) -> None:
+    k = args.draft_k
+    prompts = [base.engine.apply_chat_template([{"role": "user", "content": g}]) for g in GROUNDED]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=args.draft_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
+    print(f"\n[5] acceptance, coupled vs rejection: {len(prompts)} grounded prompts in one batch, temperature 1, "
+          f"{args.draft_tokens} tokens, draft k={k}")
+    for sigma in (float(x) for x in args.perturb_sigmas.split(",") if x):
+        model = perturbed_copy(base, sigma, 0)
+        for mode in ("coupled", "rejection"):
+            llm = engine_like(base, speculative_config={"method": "draft", "draft_model": model,
+                                                        "num_speculative_tokens": k, "acceptance": mode})
+            t, n, _ = timed_generate(llm, prompts, params, one_by_one=False)
+            alpha, a, d = acceptance(llm)
+            steps = llm.engine.stats.get("spec_steps", 0)
+            emitted = llm.engine.stats.get("spec_emitted_tokens", 0)
+            line(f"sigma {sigma} {mode}", t, n, f"(per-token acceptance {alpha:.3f}; accepted {a}/{d} drafts = "
+                 f"{a / max(d, 1):.3f}; {emitted / max(steps, 1):.2f} tokens per step)")
+        del model
+
+
+def cpu_hog(seconds: float) -> None:
+    """Another process's work: float32 matmuls on one thread until ``seconds`` pass."""
+    torch.set_num_threads(1)
+    a = torch.randn(512, 512)
+    end = time.time() + seconds
+    while time.time() < end:
+        a = torch.tanh(a @ a)
+
+
+def section_busy(base: LLM, args) -> None:
+    section_long_tail(base, args, hog_seconds=args.hog_seconds)
 
 
 def main() -> None:
@@ -262,6 +325,7 @@ def main() -> None:
     parser.add_argument("--long-tail-requests", type=int, default=32)
     parser.add_argument("--long-tail-methods", default="ngram")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hog-seconds", type=float, default=1800.0, help="upper bound on section 6's CPU hog")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (the engine picks bfloat16 there)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 is far steadier on a machine shared with other work")
@@ -284,6 +348,10 @@ def main() -> None:
         section_suffix(base, args)
     if "4" in sections:
         section_long_tail(base, args)
+    if "5" in sections:
+        section_acceptance(base, args)
+    if "6" in sections:
+        section_busy(base, args)
     print(f"\ntotal {time.perf_counter() - start:.0f}s")
 
 

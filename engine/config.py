@@ -52,7 +52,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    seed: int = 0
+    seed: int = 0  # unused: sampling noise is per request (seed, sample, position); kept for old callers
     speculative_config: "SpeculativeConfig | dict | None" = None
     trust_remote_code: bool = False
     # Llama-family decoder layers run as engine.fused_layers.FusedDecoderLayer (same maths, fewer

@@ -24,11 +24,12 @@ from engine.faults import Faults
 from engine.loader import eos_token_ids, load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampler import SampleRow, Sampler, make_generator
+from engine.sampler import SampleRow, Sampler, fresh_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
 from engine.step_recovery import StepRecovery
+from kernels import kernel_backend
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        generator = torch.Generator(device=config.device)
-        generator.manual_seed(config.seed)
-        self.sampler = Sampler(self.eos_ids, generator)
+        self.sampler = Sampler(self.eos_ids, kernel_backend(config.device))
         self.recovery = StepRecovery(self.scheduler, self.block_manager)
         self.faults = Faults.from_env()  # test-only switches; inert unless SPECBATCH_FAULTS is set
         self._probed_last = False
@@ -138,6 +137,7 @@ class LLMEngine:
             params=params,
             metrics=metrics,
             cache_salt=cache_salt,
+            seed=params.seed if params.seed is not None else fresh_seed(),
         )
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -159,14 +159,12 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
-        device = self.config.device
         for index in range(request.params.n):
             seq = Sequence(
                 request=request,
                 index=index,
                 token_ids=list(request.prompt_token_ids),
                 num_prompt_tokens=len(request.prompt_token_ids),
-                generator=make_generator(request.params.seed, index, device),
                 logprobs=[] if request.params.logprobs is not None else None,
             )
             request.seqs.append(seq)
@@ -349,4 +347,5 @@ class LLMEngine:
             metrics=request.metrics,
             error=request.error,
             num_cached_tokens=request.metrics.num_cached_tokens,
+            seed=request.seed,
         )

@@ -70,3 +70,6 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # The seed the samples were drawn with (the request's, or a fresh one): rerunning the
+    # request with this seed reproduces its tokens exactly.
+    seed: int | None = None

@@ -1,18 +1,25 @@
 """From logits to tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
 
-``target_probs`` gives the exact distribution a request samples from at one position; the
-speculative rejection sampler compares drafts against that same distribution, which is what
-makes speculation lossless. Each sample has its own ``torch.Generator`` when seeded, so a
-seeded request draws the same tokens alone or inside any batch.
+``target_probs`` gives the exact distribution a request samples from at one position. A sampled
+token is ``argmax p / E`` over that distribution with noise ``E`` keyed by (seed, sample index,
+absolute position) (``kernels.counter_rng``), so it depends on the distribution and those
+coordinates only: a seeded request draws the same tokens alone, inside any batch, with any
+speculation, on any worker and on retry. Verification samples the target's rows the same way
+and accepts a draft iff it equals the sampled token; a draft model drafts with the same noise.
+Unseeded requests get a fresh seed from the OS (``fresh_seed``), never a process-wide stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import secrets
+
 import torch
 
+import kernels
 from engine.sequence import Sequence
+from kernels.counter_rng import SAMPLE, keys_tensor, row_key
 
 
 @dataclass(slots=True)
@@ -22,13 +29,28 @@ class SampleRow:
     seq: Sequence
     extra: list[int]
 
+    @property
+    def position(self) -> int:
+        """Absolute position (in prompt + output) of the token this row samples."""
+        return self.seq.num_tokens + len(self.extra)
 
-def make_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
-    return gen
+
+def fresh_seed() -> int:
+    """A seed for an unseeded request, from the OS: workers never share a stream."""
+    return secrets.randbits(63)
+
+
+def seed_of(seq: Sequence) -> int:
+    """The request's seed: the engine sets ``Request.seed`` at submission; one built elsewhere
+    (tests) takes ``params.seed`` or a fresh one on first use."""
+    request = seq.request
+    if request.seed is None:
+        request.seed = request.params.seed if request.params.seed is not None else fresh_seed()
+    return request.seed
+
+
+def noise_keys(rows: list[SampleRow], stream: int = SAMPLE) -> list[int]:
+    return [row_key(seed_of(row.seq), row.seq.index, row.position, stream) for row in rows]
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -91,19 +113,10 @@ def filter_and_normalise(logits: torch.Tensor, rows: list[SampleRow]) -> torch.T
     return probs
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from ``probs`` by the exponential-race trick (argmax p/E, E ~ Exp(1))."""
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return int((probs / noise).argmax())
-
-
 class Sampler:
-    def __init__(self, eos_ids: set[int], default_generator: torch.Generator) -> None:
+    def __init__(self, eos_ids: set[int], backend: str = "torch") -> None:
         self.eos_ids = eos_ids
-        self.default_generator = default_generator
-
-    def generator_for(self, seq: Sequence) -> torch.Generator:
-        return seq.generator if seq.generator is not None else self.default_generator
+        self.backend = backend  # kernels' backend for the sampling step (Triton on CUDA)
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Logits after penalties and min-token bans: what greedy takes the argmax of."""
@@ -125,16 +138,22 @@ class Sampler:
         return probs
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-        """One token per row."""
+        """One token per row: greedy rows the processed argmax, others the coupled draw."""
         processed = self.processed_logits(logits, rows)
         tokens = processed.argmax(-1).tolist()
         random_rows = [r for r, row in enumerate(rows) if not row.seq.params.greedy]
         if random_rows:
+            sub = [rows[r] for r in random_rows]
             idx = torch.tensor(random_rows, device=logits.device)
-            probs = filter_and_normalise(processed[idx], [rows[r] for r in random_rows])
-            for j, r in enumerate(random_rows):
-                tokens[r] = draw(probs[j], self.generator_for(rows[r].seq))
+            probs = filter_and_normalise(processed[idx], sub)
+            drawn = self.draw(probs, noise_keys(sub))
+            for r, token in zip(random_rows, drawn):
+                tokens[r] = token
         return tokens
+
+    def draw(self, probs: torch.Tensor, keys: list[int]) -> list[int]:
+        """``argmax p / E`` per row with the counter-based noise of ``keys``."""
+        return kernels.coupled_sample(probs, keys_tensor(keys, probs.device), backend=self.backend).tolist()
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: list[int], num: list[int | None]) -> list[dict[int, float] | None]:

@@ -41,7 +41,6 @@ class Sequence:
     block_hashes: list[tuple[bytes, tuple]] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
@@ -95,6 +94,8 @@ class Request:
     # Mixed into the root of this request's prefix-cache chain: only requests with the same salt
     # share cached blocks (vLLM's ``cache_salt``).
     cache_salt: str | None = None
+    # The seed sampling uses: params.seed, or one drawn fresh at submission (reported back).
+    seed: int | None = None
 
     @property
     def is_finished(self) -> bool:

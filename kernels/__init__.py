@@ -4,7 +4,7 @@ Each operation has a plain torch reference (the CPU path, and the definition of 
 computes) and, where Triton runs, a Triton kernel. ``kernel_backend`` picks one for a device;
 ``SPECBATCH_KERNEL_BACKEND=torch|triton`` overrides the choice.
 
-Dispatchers: ``paged_attention``, ``write_kv`` and ``rejection_sample``, each taking
+Dispatchers: ``paged_attention``, ``write_kv`` and ``coupled_sample``, each taking
 ``backend=``. The Triton kernels live in ``kernels._triton_*``
 and are imported on first use only, so ``TRITON_INTERPRET=1`` (the CPU interpreter, used by
 the tests) takes effect as long as it is set before the first Triton call.
@@ -18,7 +18,7 @@ import torch
 
 from kernels.cache_ops import write_kv_torch
 from kernels.paged_attention import paged_attention_torch
-from kernels.sampling import rejection_sample_torch
+from kernels.sampling import coupled_sample_torch
 
 BACKENDS = ("torch", "triton")
 TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
@@ -68,14 +68,14 @@ def write_kv(*args, backend: str = "torch", **kwargs) -> None:
     return write_kv_torch(*args, **kwargs)
 
 
-def rejection_sample(*args, backend: str = "torch", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch the rejection sampler's accept/resample step (see ``kernels.sampling``)."""
+def coupled_sample(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
+    """Dispatch the seeded sampling step (see ``kernels.sampling``)."""
     _check(backend)
     if backend == "triton":
-        from kernels.sampling import rejection_sample_triton
+        from kernels.sampling import coupled_sample_triton
 
-        return rejection_sample_triton(*args, **kwargs)
-    return rejection_sample_torch(*args, **kwargs)
+        return coupled_sample_triton(*args, **kwargs)
+    return coupled_sample_torch(*args, **kwargs)
 
 
 __all__ = [
@@ -83,8 +83,8 @@ __all__ = [
     "kernel_backend",
     "paged_attention",
     "paged_attention_torch",
-    "rejection_sample",
-    "rejection_sample_torch",
+    "coupled_sample",
+    "coupled_sample_torch",
     "write_kv",
     "write_kv_torch",
 ]

@@ -15,6 +15,9 @@ scheduled tokens, so at batch ``B`` one more draft token for every sequence cost
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 import numpy as np
 
 
@@ -69,7 +72,9 @@ class StepCost:
         self.fixed = np.zeros((3, 5))
         self.online = np.zeros((3, 5))
         self.single: float | None = None  # EMA of one-token steps
+        self.single_calibrated: float | None = None
         self._coefficients: tuple[float, float, float] | None = None  # cached until the next observation
+        self._calibrated: tuple[float, float, float] | None = None
 
     @staticmethod
     def _outer(n: float, b: float, seconds: float) -> np.ndarray:
@@ -80,8 +85,11 @@ class StepCost:
         self._coefficients = None
         if n == 1:
             self.single = seconds if self.single is None or calibration else 0.8 * self.single + 0.2 * seconds
+            if calibration:
+                self.single_calibrated = seconds
             return
         if calibration:
+            self._calibrated = None
             self.fixed += self._outer(n, batch, seconds)
         else:
             self.online = self.online * self.decay + self._outer(n, batch, seconds)
@@ -96,8 +104,8 @@ class StepCost:
             self._coefficients = self._solve()
         return self._coefficients
 
-    def _solve(self) -> tuple[float, float, float]:
-        m = self.fixed + self.online
+    def _solve(self, m: np.ndarray | None = None) -> tuple[float, float, float]:
+        m = self.fixed + self.online if m is None else m
         if m[0, 0] <= 0:
             return 0.0, 0.0, 0.0
         xtx, xty, yty = m[:, :3], m[:, 3], m[0, 4]
@@ -121,6 +129,53 @@ class StepCost:
             return self.single
         a, b, s = self.coefficients()
         return a + b * n + s * batch
+
+    def calibrated_ratio(self, n: int, batch: int) -> float | None:
+        """Cost of ``n`` tokens over ``batch`` tokens by the start-up calibration alone: timings
+        taken back to back (best of repeats), so a ratio of them survives a busy machine that
+        the online fit may not (seen: another process made it fit a zero cost per token)."""
+        if self.fixed[0, 0] <= 0:
+            return None
+        if self._calibrated is None:
+            self._calibrated = self._solve(self.fixed)
+        a, b, s = self._calibrated
+
+        def cost(tokens: int) -> float:
+            if tokens == 1 and self.single_calibrated is not None:
+                return self.single_calibrated
+            return a + b * tokens + s * batch
+
+        base = cost(batch)
+        return cost(n) / base if base > 0 else None
+
+
+class RealizedCost:
+    """How far the cost model is off for speculative steps *relative to* plain ones, right now.
+
+    Each decode step reports ``observed / predicted`` seconds (its "slowness"), speculative and
+    plain steps apart; ``factor`` is the ratio of the two medians over the last ``window`` of
+    each. A busy machine slows both kinds alike and leaves the factor near 1, whatever the
+    absolute timings; a speculative step that costs more than the model said (measured: extra
+    tokens slow down far more than fixed overheads when another process takes a core) raises
+    it, and the speculator multiplies its step ratios by it. Medians over a window mean no
+    single slow step moves it; until both kinds have ``min_samples`` it is 1 (trust the model).
+    """
+
+    def __init__(self, window: int = 16, min_samples: int = 5, bounds: tuple[float, float] = (0.5, 4.0)) -> None:
+        self.plain: deque[float] = deque(maxlen=window)
+        self.spec: deque[float] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self.bounds = bounds
+
+    def observe(self, speculative: bool, observed: float, predicted: float) -> None:
+        if predicted > 0 and observed > 0:
+            (self.spec if speculative else self.plain).append(observed / predicted)
+
+    def factor(self) -> float:
+        if len(self.plain) < self.min_samples or len(self.spec) < self.min_samples:
+            return 1.0
+        ratio = statistics.median(self.spec) / statistics.median(self.plain)
+        return min(max(ratio, self.bounds[0]), self.bounds[1])
 
 
 class Acceptance:

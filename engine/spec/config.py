@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     import torch
 
 METHODS = ("ngram", "draft", "suffix")
+ACCEPTANCE = ("coupled", "rejection")
 MAX_SPEC_TOKENS = 32  # the verifier lays out at most this many draft rows per sequence
 
 
@@ -42,10 +43,15 @@ class SpeculativeConfig:
     # adaptive k: per-sequence acceptance estimate (decayed counts) and the gain k must promise.
     acceptance_decay: float = 0.7
     min_speedup: float = 1.05
+    # "coupled": accept a draft iff it equals the token sampled with the request's own noise
+    # (output identical to no speculation); "rejection": Leviathan/Chen's accept/resample.
+    acceptance: Literal["coupled", "rejection"] = "coupled"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
         if self.num_speculative_tokens != "auto":
             _check_k("num_speculative_tokens", self.num_speculative_tokens)
         _check_k("max_speculative_tokens", self.max_speculative_tokens)

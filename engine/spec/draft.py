@@ -10,7 +10,10 @@ lookahead slots it allocates through the block manager, as vLLM does; the schedu
 them allocated, and verification trims what was rejected.
 
 Drafts are drawn from ``q`` = the draft's distribution after the request's own sampling
-transforms (``Sampler.target_probs`` on the draft's logits), which the rejection sampler needs.
+transforms, with the request's own noise at the same (seed, sample, position) as the target
+will use (``Sampler.sample`` on the draft's logits): where ``q`` and ``p`` agree the two races
+pick the same token, which is what coupled verification accepts. ``acceptance="rejection"``
+also needs ``q`` itself, which is then returned with the drafts.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from engine.attention import ATTN_IMPLEMENTATION
 from engine.config import parse_dtype
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, StepInputs
-from engine.sampler import SampleRow, draw
+from engine.sampler import SampleRow, noise_keys
 from engine.sequence import Sequence
 from engine.spec.proposer import EMPTY, Proposal
 
@@ -92,6 +95,7 @@ class DraftModelProposer:
         self.runner = DraftRunner(model, runner_config, engine.max_model_len, engine.runner.num_blocks)
         self.block_manager = engine.block_manager
         self.sampler = engine.sampler
+        self.keep_probs = config.acceptance == "rejection"
         self.max_catchup_tokens = ecfg.max_num_batched_tokens
         self.states: dict[int, _State] = {}
         # (tokens, sequences, seconds) of each draft forward: the speculator fits the draft's cost.
@@ -161,17 +165,18 @@ class DraftModelProposer:
         return out
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Greedy rows: the processed argmax (no q needed). Others: draw from q, return q."""
+        """Tokens drawn as the target would draw them (same noise); ``q`` only for rejection mode."""
         sampler = self.sampler
-        processed = sampler.processed_logits(logits, rows)
-        tokens = processed.argmax(-1).tolist()
         q: list[torch.Tensor | None] = [None] * len(rows)
         random_rows = [r for r, row in enumerate(rows) if not row.seq.params.greedy]
-        if random_rows:
-            probs = sampler.target_probs(logits[random_rows], [rows[r] for r in random_rows])
-            for j, r in enumerate(random_rows):
-                q[r] = probs[j]
-                tokens[r] = draw(probs[j], sampler.generator_for(rows[r].seq))
+        if not (self.keep_probs and random_rows):
+            return sampler.sample(logits, rows), q
+        tokens = sampler.processed_logits(logits, rows).argmax(-1).tolist()
+        sub = [rows[r] for r in random_rows]
+        probs = sampler.target_probs(logits[random_rows], sub)
+        for j, (r, token) in enumerate(zip(random_rows, sampler.draw(probs, noise_keys(sub)))):
+            q[r] = probs[j]
+            tokens[r] = token
         return tokens, q
 
     def finished(self, seq: Sequence) -> None:

@@ -14,13 +14,14 @@ import time
 
 import torch
 
-from engine.sampler import SampleRow
+from engine.sampler import SampleRow, noise_keys
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec.adaptive import Acceptance, StepCost, best_k_for_costs
+from engine.spec.adaptive import Acceptance, RealizedCost, StepCost, best_k_for_costs, expected_tokens
 from engine.spec.calibration import DRAFT_LAYOUTS, TARGET_LAYOUTS, time_layouts
 from engine.spec.config import SpeculativeConfig
 from engine.spec.proposer import EMPTY, Proposer
-from engine.spec.rejection import accept_greedy, sample_with_generator
+from engine.spec.rejection import accept_prefix, sample_rejection
+from kernels.counter_rng import ACCEPT, RESAMPLE
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,11 @@ STAT_KEYS = (
     "spec_proposer_failures",
 )
 PROBE_EVERY = 8  # a sequence held at k = 0 by low acceptance retries k = 1 this often
+# Where the expected gain is marginal (below CONTROL_BELOW), every CONTROL_EVERY-th step runs the
+# other way (plain if speculating, speculating if held off by measured cost), so the realized
+# cost of both kinds is measured close together in time, on the machine as it is now.
+CONTROL_EVERY = 8
+CONTROL_BELOW = 1.5
 
 
 def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
@@ -70,6 +76,9 @@ class Speculator:
         self.draft_overhead_per_step = 0.0
         self.held: dict[int, int] = {}  # seq_id -> steps at k = 0 since the last probe
         self.last_c = 0.0  # Leviathan's c at the last choice with k > 0 (benchmarks report it)
+        self.realized = RealizedCost()
+        self.choices = 0  # propose calls that chose k (control steps count from it)
+        self.pending_proposer = (0.0, 0.0)  # (seconds, predicted seconds) of the drafts in flight
         if config.adaptive:
             self.calibrate()
 
@@ -86,7 +95,6 @@ class Speculator:
     def verify(self, sched, inputs, logits: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
         start = time.perf_counter()
         engine = self.engine
-        sampler = engine.sampler
         entries: list[tuple[Sequence, int, list[int]]] = []
         for i, row0, num_rows in inputs.sample_rows:
             seq = sched.scheduled[i].seq
@@ -105,35 +113,7 @@ class Speculator:
             self._count_step(sum(len(tokens) for _seq, tokens in accepted_out))
             self._observe_step(sched, decode_only, start)
             return accepted_out
-        results: list[tuple[list[int], int] | None] = [None] * len(entries)
-
-        greedy = [e for e, (seq, _, _) in enumerate(entries) if seq.params.greedy]
-        random_ = [e for e, (seq, _, _) in enumerate(entries) if not seq.params.greedy]
-        for group, is_greedy in ((greedy, True), (random_, False)):
-            if not group:
-                continue
-            rows, index = [], []
-            for e in group:
-                seq, row0, drafts = entries[e]
-                for j in range(len(drafts) + 1):
-                    rows.append(SampleRow(seq, drafts[:j]))
-                    index.append(row0 + j)
-            group_logits = logits[torch.tensor(index, device=logits.device)]
-            if is_greedy:
-                argmax = sampler.processed_logits(group_logits, rows).argmax(-1).tolist()
-            else:
-                probs = sampler.target_probs(group_logits, rows)
-            offset = 0
-            for e in group:
-                seq, _, drafts = entries[e]
-                n = len(drafts) + 1
-                if is_greedy:
-                    results[e] = accept_greedy(argmax[offset : offset + n], drafts)
-                else:
-                    results[e] = sample_with_generator(
-                        probs[offset : offset + n], drafts, seq.draft_probs, sampler.generator_for(seq)
-                    )
-                offset += n
+        results = self._accept(entries, logits)
 
         accepted_out: list[tuple[Sequence, list[int]]] = []
         want_logprobs: list[tuple[Sequence, int, list[int]]] = []
@@ -163,12 +143,58 @@ class Speculator:
         self._observe_step(sched, decode_only, start)
         return accepted_out
 
+    def _accept(self, entries: list[tuple[Sequence, int, list[int]]], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+        """Sample every target row (1 + drafts per sequence) and keep each agreeing prefix.
+
+        Rows are sampled exactly as plain steps would sample those positions (same noise, same
+        distribution), so the emitted tokens are the non-speculative ones. ``rejection`` mode
+        runs Leviathan/Chen on its sampled (non-greedy) sequences instead.
+        """
+        sampler = self.engine.sampler
+        rows, index = [], []
+        for seq, row0, drafts in entries:
+            for j in range(len(drafts) + 1):
+                rows.append(SampleRow(seq, drafts[:j]))
+                index.append(row0 + j)
+        rows_logits = logits[torch.tensor(index, device=logits.device)]
+        leviathan = self.config.acceptance == "rejection"
+        plain = [r for r, row in enumerate(rows) if not (leviathan and not row.seq.params.greedy)]
+        sampled = [0] * len(rows)
+        if plain:
+            sub = sampler.sample(rows_logits[torch.tensor(plain, device=logits.device)], [rows[r] for r in plain])
+            for r, token in zip(plain, sub):
+                sampled[r] = token
+        results, offset = [], 0
+        for seq, _row0, drafts in entries:
+            n = len(drafts) + 1
+            if leviathan and not seq.params.greedy:
+                own = rows[offset : offset + n]
+                probs = sampler.target_probs(rows_logits[offset : offset + n], own)
+                results.append(sample_rejection(
+                    probs, drafts, seq.draft_probs, noise_keys(own[:-1], ACCEPT), noise_keys(own, RESAMPLE)
+                ))
+            else:
+                results.append(accept_prefix(sampled[offset : offset + n], drafts))
+            offset += n
+        return results
+
     def _observe_step(self, sched, decode_only: bool, start: float) -> None:
         """Feed the step's cost (forward + verification) to the cost model, for decode steps
         only: a prefill chunk's cost per token differs."""
+        proposer_seconds, proposer_predicted = self.pending_proposer
+        self.pending_proposer = (0.0, 0.0)
         if decode_only:
             seconds = self.engine.last_forward_seconds + time.perf_counter() - start
-            self.target_cost.observe(sched.num_tokens, len(sched.scheduled), seconds)
+            n, batch = sched.num_tokens, len(sched.scheduled)
+            if self.target_cost.ready:
+                speculative = n > batch
+                predicted = self.target_cost.predict(n, batch)
+                if speculative:
+                    seconds_all, predicted = seconds + proposer_seconds, predicted + proposer_predicted
+                else:
+                    seconds_all = seconds
+                self.realized.observe(speculative, seconds_all, predicted)
+            self.target_cost.observe(n, batch, seconds)
 
     def _stats(self) -> dict:
         stats = self.engine.stats
@@ -226,7 +252,15 @@ class Speculator:
             seq.draft_token_ids = list(tokens)
             seq.draft_probs = proposal.probs[: len(tokens)] if proposal.probs is not None else None
             proposed += len(tokens)
+        self.pending_proposer = (seconds, self._predicted_proposer(len(seqs), max(ks, default=0), proposed))
         self._observe_proposer(seconds, proposed)
+
+    def _predicted_proposer(self, batch: int, k: int, proposed: int) -> float:
+        """What the cost model expects the proposer to have cost for these drafts."""
+        if self.config.method == "draft":
+            per_step = self.draft_cost.predict(batch, batch) if self.draft_cost.ready else 0.0
+            return k * (per_step + self.draft_overhead_per_step)
+        return proposed * self.proposer_seconds_per_token
 
     def _observe_proposer(self, seconds: float, proposed: int) -> None:
         timings = getattr(self.proposer, "timings", None)
@@ -257,7 +291,10 @@ class Speculator:
                 draft = k * (per_step + self.draft_overhead_per_step)
             else:
                 draft = k * batch * self.proposer_seconds_per_token
-            ratios.append((target.predict(batch * (1 + k), batch) + draft) / plain)
+            verify = target.predict(batch * (1 + k), batch) / plain
+            # Never cheaper than the calibration's back-to-back timings say verification is.
+            floor = target.calibrated_ratio(batch * (1 + k), batch)
+            ratios.append(max(verify, floor or 0.0) + draft / plain)
         return ratios
 
     def choose_k(self, seqs: list[Sequence]) -> list[int]:
@@ -265,7 +302,23 @@ class Speculator:
         limits = [self._room(seq, k_max) for seq in seqs]
         if not self.config.adaptive:
             return limits
-        ratios = self.step_ratios(len(seqs), k_max)
+        model = self.step_ratios(len(seqs), k_max)
+        factor = self.realized.factor()
+        ratios = [1.0] + [max(1.0, r * factor) for r in model[1:]]  # drafts are never free
+        ks = self._choose(seqs, limits, ratios)
+        self.choices += 1
+        if self.choices % CONTROL_EVERY == 0:
+            gain = max(expected_tokens(self.acceptance.global_alpha, k) / ratios[k] for k in range(len(ratios)))
+            if max(ks) > 0 and gain < CONTROL_BELOW:
+                ks = [0] * len(seqs)  # a plain step to compare with
+            elif max(ks) == 0 and factor > 1.0:
+                ks = self._choose(seqs, limits, model)  # what the model alone would do, measured again
+        chosen = max(ks)
+        if chosen:
+            self.last_c = (ratios[chosen] - 1.0) / chosen
+        return ks
+
+    def _choose(self, seqs: list[Sequence], limits: list[int], ratios: list[float]) -> list[int]:
         min_speedup = self.config.min_speedup
         worth_probing = best_k_for_costs(0.9, ratios, min_speedup) > 0
         ks = []
@@ -279,9 +332,6 @@ class Speculator:
                     k, waited = 1, 0
                 self.held[seq.seq_id] = waited
             ks.append(k)
-        chosen = max(ks)
-        if chosen:
-            self.last_c = (ratios[chosen] - 1.0) / chosen
         return ks
 
     def _room(self, seq: Sequence, k: int) -> int:

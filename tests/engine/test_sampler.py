@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.detokenizer import StopChecker
-from engine.sampler import SampleRow, Sampler, filter_and_normalise, make_generator
+from engine.sampler import SampleRow, Sampler, filter_and_normalise
 from engine.sampling_params import SamplingParams
 from engine.testing import make_byte_tokenizer
 from tests.engine.fakes import make_seq
@@ -16,15 +16,11 @@ def row(params: SamplingParams, tokens=(1, 2), output=()):
     seq = make_seq(list(tokens))
     seq.request.params = params
     seq.token_ids.extend(output)
-    if params.seed is not None:
-        seq.generator = make_generator(params.seed, 0, torch.device("cpu"))
     return SampleRow(seq, [])
 
 
-def sampler(seed: int = 0) -> Sampler:
-    gen = torch.Generator()
-    gen.manual_seed(seed)
-    return Sampler({EOS}, gen)
+def sampler() -> Sampler:
+    return Sampler({EOS})
 
 
 def test_greedy_takes_argmax():
@@ -37,7 +33,8 @@ def empirical(logits: torch.Tensor, params: SamplingParams, draws: int = 4000) -
     s = sampler()
     r = row(params)
     counts = torch.zeros(logits.shape[-1])
-    for _ in range(draws):
+    for i in range(draws):  # the noise is a function of (seed, sample, position): vary the seed
+        r.seq.request.seed = i
         counts[s.sample(logits[None], [r])[0]] += 1
     return counts / draws
 
@@ -99,13 +96,22 @@ def test_seeded_rows_are_reproducible_and_independent_of_neighbours():
     torch.manual_seed(0)
     logits = torch.randn(1, 50)
     params = SamplingParams(temperature=1.0, seed=1234)
-    alone = [sampler().sample(logits, [r])[0] for r in [row(params)] for _ in range(20)]
-    r1 = row(params)
+    positions = [row(params, output=(5,) * i) for i in range(20)]  # 20 successive positions
+    alone = [sampler().sample(logits, [r])[0] for r in positions]
+    assert len(set(alone)) > 1  # positions draw independent noise
     crowd = row(SamplingParams(temperature=1.0))
-    together = [sampler(seed=99).sample(torch.cat([torch.randn(1, 50), logits]), [crowd, r1])[1] for _ in range(20)]
+    together = [sampler().sample(torch.cat([torch.randn(1, 50), logits]), [crowd, r])[1] for r in positions]
     assert alone == together
-    other = row(SamplingParams(temperature=1.0, seed=4321))
-    assert [sampler().sample(logits, [other])[0] for _ in range(20)] != alone
+    assert [sampler().sample(logits, [r])[0] for r in positions] == alone  # no generator state
+    others = [row(SamplingParams(temperature=1.0, seed=4321), output=(5,) * i) for i in range(20)]
+    assert [sampler().sample(logits, [r])[0] for r in others] != alone
+
+
+def test_unseeded_requests_get_a_fresh_seed_each():
+    rows = [row(SamplingParams(temperature=1.0)) for _ in range(8)]
+    sampler().sample(torch.zeros(8, 10), rows)
+    seeds = [r.seq.request.seed for r in rows]
+    assert None not in seeds and len(set(seeds)) == 8
 
 
 def test_logprobs_report_the_sampled_token_and_top_alternatives():

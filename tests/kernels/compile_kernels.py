@@ -27,8 +27,7 @@ INDEX_PTRS = {
     "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
     "block_table_ptr": "*i32", "slot_mapping_ptr": "*i64", "src_to_dst_ptr": "*i64",
     "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-    "draft_ptr": "*i64", "num_drafts_ptr": "*i64", "target_ptr": "*fp32", "draft_probs_ptr": "*fp32",
-    "uniforms_ptr": "*fp32", "exp_ptr": "*fp32", "tokens_ptr": "*i64", "num_accepted_ptr": "*i64",
+    "keys_ptr": "*i64", "tokens_ptr": "*i64",
 }
 
 
@@ -56,9 +55,8 @@ def main(capability: int = 90) -> None:
                        BLOCK_SIZE=32, BLOCK_Q=16, BLOCK_N=64, UPCAST=upcast), dtype, capability)
         compile_kernel(ta._combine_splits_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=8), dtype, capability)
         compile_kernel(tc._write_kv_kernel, dict(BLOCK_SIZE=16, H=8, H_PAD=8, D=128, D_PAD=128), dtype, capability)
-    for k, has_draft in ((4, True), (4, False), (0, False)):
-        compile_kernel(ts._rejection_sample_kernel,
-                       dict(K=k, HAS_DRAFT_PROBS=has_draft, BLOCK_V=1024), "*fp32", capability)
+    for dtype in ("*fp32", "*bf16"):
+        compile_kernel(ts._coupled_sample_kernel, dict(BLOCK_V=2048), dtype, capability)
 
 
 if __name__ == "__main__":

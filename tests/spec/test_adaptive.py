@@ -6,6 +6,7 @@ import pytest
 
 from engine.spec.adaptive import (
     Acceptance,
+    RealizedCost,
     StepCost,
     best_k,
     best_k_for_costs,
@@ -79,3 +80,42 @@ def test_acceptance_estimate_tracks_each_sequence_and_seeds_new_ones():
     assert acc.alpha(3) == acc.global_alpha == pytest.approx(100 / 121, abs=0.05)
     acc.forget(1)
     assert acc.alpha(1) == acc.global_alpha
+
+
+def test_realized_cost_ignores_a_machine_that_slows_everything_alike():
+    realized = RealizedCost()
+    for i in range(40):
+        busy = 1.0 if i < 20 else 2.5  # another process arrives halfway
+        realized.observe(False, 0.1 * busy, 0.1)
+        realized.observe(True, 0.3 * busy, 0.3)
+    assert realized.factor() == pytest.approx(1.0)
+
+
+def test_realized_cost_sees_speculative_steps_the_model_underprices():
+    realized = RealizedCost()
+    assert realized.factor() == 1.0  # nothing measured: trust the model
+    for _ in range(20):
+        realized.observe(False, 0.1, 0.1)
+        realized.observe(True, 0.45, 0.3)
+    assert realized.factor() == pytest.approx(1.5)
+
+
+def test_one_slow_step_does_not_move_the_realized_cost():
+    realized = RealizedCost()
+    for _ in range(16):
+        realized.observe(False, 0.1, 0.1)
+        realized.observe(True, 0.3, 0.3)
+    realized.observe(True, 3.0, 0.3)  # a ten-times slower step (the machine stalled once)
+    realized.observe(False, 0.01, 0.1)
+    assert realized.factor() == pytest.approx(1.0)
+
+
+def test_calibrated_ratio_survives_an_online_fit_that_lost_the_cost_per_token():
+    cost = StepCost()
+    for batch, q in ((1, 2), (1, 8), (4, 1), (4, 4), (16, 1)):
+        cost.observe(batch * q, batch, 0.01 + 0.001 * batch * q, calibration=True)
+    for _ in range(300):  # a busy machine: every step ~0.2 s whatever its size
+        for n in (32, 64, 160):
+            cost.observe(n, 32, 0.2)
+    assert cost.predict(160, 32) / cost.predict(32, 32) == pytest.approx(1.0, abs=0.05)
+    assert cost.calibrated_ratio(160, 32) == pytest.approx((0.01 + 0.16) / (0.01 + 0.032), rel=0.05)

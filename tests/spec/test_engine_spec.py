@@ -1,5 +1,5 @@
-"""Speculation inside the engine on tiny models: greedy outputs equal non-speculative ones with
-every method, through stops, logprobs, preemption and n > 1; the draft model's own KV cache
+"""Speculation inside the engine on tiny models: greedy and seeded sampled outputs equal
+non-speculative ones with every method, through stops, logprobs, preemption and n > 1; the draft model's own KV cache
 catches up exactly; a failing proposer fails nothing; metrics and stats add up."""
 
 from __future__ import annotations
@@ -124,16 +124,37 @@ def test_draft_kv_cache_catches_up_on_accepted_tokens(tiny_model_dir):
     assert checked > 100
 
 
-def test_sampled_requests_run_with_seeds_and_n(tiny_model_dir, other_model_dir):
-    llm = LLM(tiny_model_dir, device="cpu",
-              speculative_config={"method": "draft", "draft_model": other_model_dir, "num_speculative_tokens": 3})
-    params = SamplingParams(n=3, temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True,
-                            repetition_penalty=1.2, logprobs=0)
-    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    again = llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    for a, b in zip(first, again):
-        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]  # seeded
-        assert all(len(c.token_ids) == 20 and len(c.logprobs) == 20 for c in a.outputs)
+SAMPLED = SamplingParams(n=3, temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True,
+                         repetition_penalty=1.2, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu")
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, SAMPLED, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", list(configs("", "")))
+def test_seeded_sampled_outputs_equal_non_speculative(name, tiny_model_dir, other_model_dir, sampled_reference):
+    """Coupled verification: the same noise per (seed, sample, position), so the same tokens."""
+    config = configs(tiny_model_dir, other_model_dir)[name]
+    llm = LLM(tiny_model_dir, device="cpu", speculative_config=config)
+    outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == sampled_reference
+    assert all(len(c.logprobs) == 20 for o in outs for c in o.outputs)
+    if "auto" not in name:
+        assert llm.engine.stats["spec_draft_tokens"] > 0
+
+
+def test_rejection_mode_is_reproducible_and_reports_its_seed(tiny_model_dir, other_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu", speculative_config={
+        "method": "draft", "draft_model": other_model_dir, "num_speculative_tokens": 3, "acceptance": "rejection"})
+    unseeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True)
+    first = llm.generate(PROMPTS[:3], unseeded, use_tqdm=False)
+    assert len({o.seed for o in first}) == 3  # a fresh seed per request, reported
+    again = llm.generate(PROMPTS[:3], [SamplingParams(**{**unseeded.to_dict(), "seed": o.seed}) for o in first],
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert llm.engine.stats["spec_draft_tokens"] > 0
 
 

@@ -1,10 +1,11 @@
-"""The rejection sampler: same decisions as the kernels' reference, greedy-exact, and lossless.
+"""Verification is lossless: coupled (default) and Leviathan/Chen rejection (opt-in).
 
-The lossless test drives the sampler directly at fixed contexts of two tiny models that
+The lossless tests drive verification directly at fixed contexts of two tiny models that
 disagree (a flat target, a sharp draft from other weights), with the requests' own transforms
-(temperature, top-k) on both, and compares the joint distribution of the first two emitted
-tokens with the target's by a chi-square test. A deliberately broken sampler (resampling from
-p instead of the residual) must fail the same test, which shows it has the power to notice.
+(temperature, top-k) on both, and compare the joint distribution of the first two emitted
+tokens with the target's by a chi-square test over 20,000 runs. Deliberately broken samplers
+(noise reused across positions, a wrong acceptance rule, resampling from p instead of the
+residual) must fail the same test, which shows it has the power to notice.
 """
 
 from __future__ import annotations
@@ -16,40 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from engine.sampler import SampleRow, filter_and_normalise
 from engine.sampling_params import SamplingParams
-from engine.spec.rejection import accept_greedy, accept_resample
+from engine.spec.rejection import accept_greedy, accept_prefix, accept_resample, sample_rejection
 from engine.testing import make_tiny_model
-from kernels.sampling import rejection_sample_torch
+from kernels.counter_rng import ACCEPT, RESAMPLE, keys_tensor, row_key
+from kernels.sampling import coupled_sample_torch
 from tests.engine.fakes import make_seq
-
-
-def random_case(gen: torch.Generator, n: int, vocab: int, with_q: bool):
-    p = torch.softmax(2 * torch.randn(n + 1, vocab, generator=gen), -1)
-    q = torch.softmax(2 * torch.randn(n, vocab, generator=gen), -1) if with_q else None
-    drafts = torch.randint(0, vocab, (n,), generator=gen)
-    likely = torch.rand(n, generator=gen) < 0.6
-    drafts = torch.where(likely, p[:n].argmax(-1), drafts).tolist()
-    uniforms = torch.rand(n, generator=gen)
-    exponentials = torch.empty(vocab).exponential_(generator=gen)
-    return p, q, drafts, uniforms, exponentials
-
-
-@pytest.mark.parametrize("with_q", [True, False])
-def test_decisions_match_the_kernel_reference(with_q):
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(300):
-        n = trial % 6
-        p, q, drafts, u, e = random_case(gen, n, 13, with_q)
-        tokens, accepted = accept_resample(p, drafts, q, u, e)
-        ref_tokens, ref_accepted = rejection_sample_torch(
-            torch.tensor([drafts], dtype=torch.long).view(1, n),
-            torch.tensor([n]),
-            p[None],
-            q[None] if q is not None else None,
-            u[None],
-            e.expand(1, n + 1, 13),
-        )
-        assert accepted == int(ref_accepted[0])
-        assert tokens == ref_tokens[0, : accepted + 1].tolist()
 
 
 def test_greedy_accepts_the_agreeing_prefix_then_the_argmax():
@@ -153,6 +125,112 @@ def chi_square_p(counts: torch.Tensor, contexts) -> float:
 def test_target_and_draft_really_differ(contexts):
     p0, _, q0, _ = contexts
     assert 0.5 * (p0 - q0).abs().sum() > 0.3
+
+
+POSITION = 4  # the absolute position of the first sampled token (the context is 4 tokens)
+
+
+def race(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    return coupled_sample_torch(probs, keys_tensor(keys, "cpu"))
+
+
+def position_keys(seed: int, position: int) -> int:
+    return row_key(seed, 0, position)
+
+
+def broken_keys(seed: int, position: int) -> int:
+    """Test-only bug: the noise ignores the position (reused at every step)."""
+    return row_key(seed, 0, POSITION)
+
+
+def broken_accept_in_support(sampled: list[int], drafts: list[int], target_rows: torch.Tensor):
+    """Test-only bug: accept a draft whenever the target gives it any probability."""
+    accepted = 0
+    while accepted < len(drafts) and target_rows[accepted, drafts[accepted]] > 0:
+        accepted += 1
+    return drafts[:accepted] + [sampled[accepted]], accepted
+
+
+def coupled_pairs(contexts, keys_of=position_keys, accept=None) -> torch.Tensor:
+    """Counts of the first two emitted tokens over ``N_SAMPLES`` seeds with k = 2 coupled drafts.
+
+    Seed s drafts d1, d2 from the draft model with the request's noise at positions 4 and 5,
+    the target samples its rows (row 1 after d1) with the same noise, verification keeps the
+    agreeing prefix; when a step emits one token the next is a plain step at position 5.
+    """
+    p0, P1, q0, Q1 = contexts
+    vocab = p0.shape[0]
+    k0 = [keys_of(s, POSITION) for s in range(N_SAMPLES)]
+    k1 = [keys_of(s, POSITION + 1) for s in range(N_SAMPLES)]
+    d1 = race(q0.expand(N_SAMPLES, vocab), k0)
+    d2 = race(Q1[d1], k1)
+    t0 = race(p0.expand(N_SAMPLES, vocab), k0).tolist()
+    t1 = race(P1[d1], k1).tolist()
+    counts = torch.zeros(vocab, vocab)
+    first = []
+    for s, (a, b) in enumerate(zip(d1.tolist(), d2.tolist())):
+        sampled = [t0[s], t1[s], 0]  # the third row is never reached with two drafts ...
+        if accept is None:
+            tokens, _ = accept_prefix(sampled, [a, b])
+        else:
+            tokens, _ = accept(sampled, [a, b], torch.stack([p0, P1[a]]))
+        first.append(tokens if len(tokens) < 3 else tokens[:2])  # ... its bonus token is not counted
+    x1 = torch.tensor([t[0] for t in first])
+    plain = race(P1[x1], k1).tolist()
+    for s, tokens in enumerate(first):
+        x2 = tokens[1] if len(tokens) > 1 else plain[s]
+        counts[tokens[0], x2] += 1
+    return counts
+
+
+def test_coupled_emitted_tokens_follow_the_target_distribution(contexts):
+    counts = coupled_pairs(contexts)
+    assert chi_square_p(counts, contexts) > 0.001
+
+
+def test_coupled_drafts_are_often_accepted_and_sometimes_not(contexts):
+    """The draft really differs, and the coupling still makes it agree a fair share of the time."""
+    p0, _, q0, _ = contexts
+    keys = [position_keys(s, POSITION) for s in range(N_SAMPLES)]
+    agree = float((race(p0.expand(N_SAMPLES, -1), keys) == race(q0.expand(N_SAMPLES, -1), keys)).float().mean())
+    tv = 0.5 * float((p0 - q0).abs().sum())
+    assert (1 - tv) / (1 + tv) - 0.02 < agree < 1 - tv + 0.02  # Gumbel coupling's known bounds
+
+
+@pytest.mark.parametrize("broken", ["noise_reused", "accept_in_support"])
+def test_the_chi_square_test_rejects_a_broken_coupled_sampler(contexts, broken):
+    if broken == "noise_reused":
+        counts = coupled_pairs(contexts, keys_of=broken_keys)
+    else:
+        counts = coupled_pairs(contexts, accept=broken_accept_in_support)
+    assert chi_square_p(counts, contexts) < 0.001
+
+
+def test_point_mass_drafts_are_lossless_coupled(contexts):
+    """n-gram style drafts (a fixed token): the first emitted token still follows p0."""
+    p0, P1, _, _ = contexts
+    vocab = p0.shape[0]
+    draft = int(p0.argsort()[-2])  # a plausible but not the likeliest token
+    keys = [position_keys(s, POSITION) for s in range(N_SAMPLES)]
+    t0 = race(p0.expand(N_SAMPLES, vocab), keys).tolist()
+    counts = torch.zeros(vocab)
+    for t in t0:
+        tokens, _ = accept_prefix([t, 0], [draft])
+        counts[tokens[0]] += 1
+    assert chi2_pvalue(counts, p0) > 0.001
+
+
+def rejection_with_counter_noise(p, drafts, q, uniforms, exponentials, seed=[0]):
+    """``sample_rejection`` as the engine calls it (counter noise), with a fresh seed per call."""
+    seed[0] += 1
+    positions = range(POSITION, POSITION + len(drafts) + 1)
+    return sample_rejection(p, drafts, q, [row_key(seed[0], 0, pos, ACCEPT) for pos in positions][:-1],
+                            [row_key(seed[0], 0, pos, RESAMPLE) for pos in positions])
+
+
+def test_rejection_with_counter_noise_follows_the_target_distribution(contexts):
+    counts = emitted_pairs(rejection_with_counter_noise, contexts, seed=3)
+    assert chi_square_p(counts, contexts) > 0.001
 
 
 def test_emitted_tokens_follow_the_target_distribution(contexts):
