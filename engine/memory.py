@@ -34,14 +34,7 @@ def available_memory_bytes() -> int | None:
         return int(psutil.virtual_memory().available)
     except ImportError:
         pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_kib_field("/proc/meminfo", "MemAvailable:")
 
 
 def default_cpu_kv_blocks(
@@ -104,10 +97,15 @@ def release_freed_heap() -> None:
 
 def resident_bytes() -> int | None:
     """This process's resident set size now."""
+    return _proc_kib_field("/proc/self/status", "VmRSS:")
+
+
+def _proc_kib_field(path: str, key: str) -> int | None:
+    """Bytes of a ``key: N kB`` line of a /proc file, or None where there is none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

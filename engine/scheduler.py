@@ -69,10 +69,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
-        seq.draft_probs = None
-        seq.status = SequenceStatus.WAITING
+        reset_for_recompute(seq)
         seq.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -204,3 +201,12 @@ class Scheduler:
             f"request {seq.request.request_id} needs {bm.blocks_needed(seq.num_tokens_with_spec)} KV-cache blocks "
             f"of {bm.block_size} tokens but the whole cache holds {bm.num_blocks}; raise kv_cache_memory_bytes"
         )
+
+
+def reset_for_recompute(seq: Sequence) -> None:
+    """Forget a sequence's computed KV and drafts (its blocks are already freed): it waits and
+    recomputes its tokens so far, as after a preemption."""
+    seq.num_computed_tokens = 0
+    seq.draft_token_ids = []
+    seq.draft_probs = None
+    seq.status = SequenceStatus.WAITING

@@ -14,8 +14,8 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Request, Sequence, SequenceStatus
+from engine.scheduler import Scheduler, SchedulerOutput, reset_for_recompute
+from engine.sequence import Request, Sequence
 
 if TYPE_CHECKING:
     from engine.block_manager import BlockManager
@@ -87,10 +87,7 @@ class StepRecovery:
                 elif seq in owner.waiting:
                     owner.waiting.remove(seq)
             self.block_manager.free(seq)
-            seq.num_computed_tokens = 0
-            seq.draft_token_ids = []
-            seq.draft_probs = None
-            seq.status = SequenceStatus.WAITING
+            reset_for_recompute(seq)
             if self._probe is not None and request is self.probing:
                 self._probe.waiting.append(seq)
 

@@ -8,8 +8,9 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32) -> Sc
     return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=False), max_num_seqs, budget)
 
 
-def step(sched: Scheduler, max_out: int = 4):
-    """One simulated engine step: computed catches up, sampled sequences grow, finished ones leave."""
+def step(sched: Scheduler, max_out: int = 4, cache_blocks: bool = False):
+    """One simulated engine step: computed catches up, sampled sequences grow, finished ones
+    leave; with ``cache_blocks`` the others' full blocks enter the prefix cache, as the engine does."""
     out = sched.schedule()
     for item in out.scheduled:
         seq = item.seq
@@ -20,6 +21,9 @@ def step(sched: Scheduler, max_out: int = 4):
             if seq.num_output_tokens >= max_out:
                 seq.status = SequenceStatus.FINISHED
                 sched.remove(seq)
+                continue
+        if cache_blocks:
+            sched.block_manager.cache_full_blocks(seq)
     return out
 
 
@@ -186,18 +190,7 @@ def test_waiting_prefix_hit_never_makes_a_running_request_too_large():
     def run(max_out: int) -> list:
         failed = []
         for _ in range(40):
-            out = sched.schedule()
-            failed += out.failed
-            for item in out.scheduled:
-                seq, samples = item.seq, item.samples
-                seq.num_computed_tokens += item.num_new_tokens
-                if samples:
-                    seq.token_ids.append(7)
-                    if seq.num_output_tokens >= max_out:
-                        seq.status = SequenceStatus.FINISHED
-                        sched.remove(seq)
-                        continue
-                bm.cache_full_blocks(seq)
+            failed += step(sched, max_out, cache_blocks=True).failed
             if not sched.has_unfinished():
                 break
         return failed
