@@ -1,8 +1,11 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, block tables, reference counts, prefix cache.
 
-Free blocks wait in an LRU queue (freed to the tail, taken from the head). A freed block keeps
+Free blocks wait in LRU queues (freed to the tail, taken from the head). A freed block keeps
 its prefix-cache entry until it is taken for new content, so a later request with the same
-prefix can revive it (vLLM v1's BlockPool).
+prefix can revive it (vLLM v1's BlockPool). Blocks with no cached content are taken first; then
+cached ones by retention: a block remembers the most urgent priority of the requests that held
+it, and the least urgent level is evicted first, so a bulk sweep reuses its own blocks before it
+touches a live conversation's prefix (with ``by_priority``; otherwise one level, plain LRU).
 
 A full block is cached under a digest that chains its tokens to its parent's digest, from a
 root that is random per process and mixed with the request's ``cache_salt`` (so tenants with
@@ -50,17 +53,23 @@ class Block:
     tokens: tuple[int, ...] | None = None  # its content, checked exactly on a hit
     parent: ParentRef | None = None
     generation: int = 0  # bumped each time the block is taken for new content
+    retention: int = 0  # most urgent priority among the requests that held it (eviction order)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 by_priority: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache must hold at least one block, got {num_blocks}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.by_priority = by_priority
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Free blocks with no cached content, and free cached blocks by retention level (LRU each).
+        self.empty_free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_free: dict[int, OrderedDict[int, None]] = {}
+        self._num_free = num_blocks
         self.cached: dict[bytes, int] = {}
         self.prefix_hits = 0
         self.prefix_queries = 0
@@ -68,7 +77,10 @@ class BlockManager:
     # ----------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self._num_free
+
+    def _level(self, seq: Sequence) -> int:
+        return seq.request.priority if self.by_priority else 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -77,8 +89,38 @@ class BlockManager:
         return self.blocks_needed(num_tokens) <= self.num_blocks
 
     # --------------------------------------------------------------- lifecycle
-    def _take_free_block(self) -> Block:
-        block_id, _ = self.free_queue.popitem(last=False)
+    def _release(self, block: Block) -> None:
+        """Drop one reference; an unreferenced block joins the tail of its free queue."""
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.key is None:
+                self.empty_free[block.block_id] = None
+            else:
+                self.cached_free.setdefault(block.retention, OrderedDict())[block.block_id] = None
+            self._num_free += 1
+
+    def _unfree(self, block: Block) -> None:
+        """Take a specific free block out of its queue (a prefix hit revives it)."""
+        if block.key is None:
+            del self.empty_free[block.block_id]
+        else:
+            queue = self.cached_free[block.retention]
+            del queue[block.block_id]
+            if not queue:
+                del self.cached_free[block.retention]
+        self._num_free -= 1
+
+    def _take_free_block(self, level: int) -> Block:
+        """An empty block if any, else the least recently freed of the least urgent level."""
+        if self.empty_free:
+            block_id, _ = self.empty_free.popitem(last=False)
+        else:
+            worst = max(self.cached_free)
+            queue = self.cached_free[worst]
+            block_id, _ = queue.popitem(last=False)
+            if not queue:
+                del self.cached_free[worst]
+        self._num_free -= 1
         block = self.blocks[block_id]
         if block.key is not None:  # evict its cached content
             if self.cached.get(block.key) == block_id:
@@ -86,13 +128,15 @@ class BlockManager:
             block.key = block.tokens = block.parent = None
         block.generation += 1  # children cached under its old content can no longer match
         block.ref_count = 1
+        block.retention = level
         return block
 
-    def _touch(self, block_id: int) -> None:
+    def _touch(self, block_id: int, level: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_queue[block_id]
+            self._unfree(block)
         block.ref_count += 1
+        block.retention = min(block.retention, level)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix; return the tokens they cover.
@@ -121,7 +165,7 @@ class BlockManager:
         if hits:
             self.prefix_hits += 1
         for block_id in hits:
-            self._touch(block_id)
+            self._touch(block_id, self._level(seq))
         seq.block_table = hits
         seq.block_hashes = hashes
         seq.num_hashed_blocks = len(hits)
@@ -150,7 +194,7 @@ class BlockManager:
         num_blocks = min(num_blocks, len(src.block_table))
         dst.block_table = list(src.block_table[:num_blocks])
         for block_id in dst.block_table:
-            self._touch(block_id)
+            self._touch(block_id, self._level(dst))
         return num_blocks * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -162,16 +206,14 @@ class BlockManager:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed > self.num_free_blocks:
             raise RuntimeError("allocate() called without can_allocate()")
+        level = self._level(seq)
         for _ in range(max(0, needed)):
-            seq.block_table.append(self._take_free_block().block_id)
+            seq.block_table.append(self._take_free_block(level).block_id)
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so shared prefixes are evicted last."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+            self._release(self.blocks[block_id])
         seq.block_table = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
@@ -180,11 +222,7 @@ class BlockManager:
         """Drop blocks beyond what ``seq``'s computed tokens need (rejected drafts' slots)."""
         keep = self.blocks_needed(seq.num_computed_tokens)
         while len(seq.block_table) > max(keep, seq.num_hashed_blocks):
-            block_id = seq.block_table.pop()
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+            self._release(self.blocks[seq.block_table.pop()])
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that ``seq`` has fully computed in the prefix cache."""

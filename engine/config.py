@@ -52,6 +52,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's scheduling_policy: "fcfs" ignores request priorities; "priority" serves lower
+    # priority values first (with aging after priority_aging_steps steps per level), preempts
+    # less urgent running requests for more urgent ones, keeps reserved_seqs sequence slots for
+    # priority <= 0, and keeps their prefix-cache blocks longer.
+    scheduling_policy: str = "fcfs"
+    priority_aging_steps: int = 1000
+    reserved_seqs: int = 0
     seed: int = 0  # unused: sampling noise is per request (seed, sample, position); kept for old callers
     speculative_config: "SpeculativeConfig | dict | None" = None
     trust_remote_code: bool = False
@@ -63,7 +70,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.device = torch.device(self.device) if self.device is not None else default_device()
         self.dtype = parse_dtype(self.dtype, self.device)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not isinstance(self.reserved_seqs, int) or not 0 <= self.reserved_seqs < self.max_num_seqs:
+            raise ValueError(f"reserved_seqs must be an integer in [0, max_num_seqs), got {self.reserved_seqs!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "priority_aging_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

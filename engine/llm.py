@@ -40,11 +40,13 @@ class LLM:
         use_tqdm: bool = True,
         *,
         cache_salt: str | None = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. A prompt is text, a token-id list or ``{"prompt_token_ids": [...]}``.
 
         ``cache_salt`` (for every prompt, or per prompt as a dict's ``"cache_salt"``): only
-        requests with the same salt share prefix-cache blocks.
+        requests with the same salt share prefix-cache blocks. ``priority`` (one per prompt, as
+        in vLLM): lower is served first when the engine runs ``scheduling_policy="priority"``.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -63,6 +65,11 @@ class LLM:
             else:
                 item = {"prompt": prompt, "cache_salt": cache_salt}
             items.append(item)
+        if priority is not None:
+            if len(priority) != len(items):
+                raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts; they must match")
+            for item, value in zip(items, priority):
+                item["priority"] = value
         return self._run(items, sampling_params, use_tqdm)
 
     def chat(

@@ -33,6 +33,9 @@ from kernels import kernel_backend
 
 log = logging.getLogger(__name__)
 
+#: Bound on a request's priority (keeps the aging arithmetic far from overflow and typos out).
+MAX_PRIORITY = 1_000_000
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
@@ -47,8 +50,13 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.runner = ModelRunner(self.model, config, self.max_model_len)
         self.memory = memory.report(self.model, self.runner.num_blocks, config.block_size, self.runner.bytes_per_block)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          by_priority=config.scheduling_policy == "priority")
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            policy=config.scheduling_policy, aging_steps=config.priority_aging_steps,
+            reserved_seqs=config.reserved_seqs,
+        )
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.sampler = Sampler(self.eos_ids, kernel_backend(config.device))
         self.recovery = StepRecovery(self.scheduler, self.block_manager)
@@ -77,10 +85,12 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and tokenise one request; raise ``ValueError`` naming the field at fault.
 
         ``cache_salt``: only requests with the same salt share prefix-cache blocks (tenants).
+        ``priority``: lower is served first under ``scheduling_policy="priority"`` (vLLM's).
         """
         if params is None:
             params = SamplingParams()
@@ -92,6 +102,8 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         text: str | None = None
         if messages is not None:
             if prompt is not None:
@@ -138,6 +150,7 @@ class LLMEngine:
             metrics=metrics,
             cache_salt=cache_salt,
             seed=params.seed if params.seed is not None else fresh_seed(),
+            priority=priority,
         )
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -215,6 +228,7 @@ class LLMEngine:
             metrics = request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+                metrics.num_waiting_steps = self.scheduler.num_steps - 1 - request.arrival_step
             metrics.num_steps += 1
             metrics.max_batch_size = max(metrics.max_batch_size, batch_size)
         try:

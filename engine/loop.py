@@ -123,6 +123,7 @@ class EngineLoop:
         request_id: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestHandle:
         """Validate and queue a request; it joins the running batch at the next step."""
         if not self._accepting:
@@ -138,6 +139,7 @@ class EngineLoop:
             request_id=request_id,
             arrival_time=arrival_time,
             cache_salt=cache_salt,
+            priority=priority,
         )
         handle = RequestHandle(request.request_id)
         with self._accept_lock:

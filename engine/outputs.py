@@ -25,6 +25,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_steps: int = 0
     max_batch_size: int = 0
+    # Engine steps from arrival to first being scheduled (how long it queued inside the engine).
+    num_waiting_steps: int | None = None
 
     @property
     def ttft(self) -> float | None:

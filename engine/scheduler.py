@@ -9,15 +9,23 @@ draft verification (drafts are scheduled tokens). When blocks run out, the most 
 admitted running sequence is preempted and recomputed later; the waiting queue stays FIFO, so
 no request starves. Waiting sequences hold no blocks between steps, so a request is failed as
 too large only when it could not fit in an empty cache.
+
+Priorities (``scheduling_policy="priority"``, vLLM's): the waiting queue is ordered by
+(priority, arrival) with aging (``WaitingQueue``). Running sequences of a lower priority than
+the most urgent waiting one are scheduled after the waiting ones, so a new urgent request gets
+this step's budget; when it cannot be admitted for want of blocks or sequence slots, the
+lowest-priority, most recently admitted running sequence is preempted (recomputed later).
+``reserved_seqs`` slots are kept for priority <= 0: background work (priority > 0) never fills
+the last of them, so an urgent request usually needs no preemption at all.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -43,16 +51,25 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 policy: str = "fcfs", aging_steps: int = 1000, reserved_seqs: int = 0) -> None:
+        if not 0 <= reserved_seqs < max_num_seqs:
+            raise ValueError(f"reserved_seqs must be in [0, max_num_seqs), got {reserved_seqs}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.priority_policy = policy == "priority"
+        self.reserved_seqs = reserved_seqs if self.priority_policy else 0
+        self.waiting = WaitingQueue(policy, aging_steps)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock of aging and of num_waiting_steps
+        self._scheduled_now: set[int] = set()  # seq ids given tokens in the step being scheduled
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        if seq.index == 0 and seq.request.metrics.first_scheduled_time is None:
+            seq.request.arrival_step = self.num_steps
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -75,6 +92,25 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _victim(self, than: Sequence | None = None) -> Sequence | None:
+        """The running sequence to preempt: lowest priority, then most recently admitted, never
+        one already scheduled in this step. With ``than`` (a waiting sequence, under the
+        priority policy) only one both less urgent and behind it in the aged order: a bulk
+        request that has waited its turn is not thrown out again by later urgent arrivals."""
+        if not self.priority_policy:
+            if than is not None or not self.running or self.running[-1].seq_id in self._scheduled_now:
+                return None
+            return self.running[-1]
+        victim = None
+        for seq in reversed(self.running):
+            if seq.seq_id not in self._scheduled_now and (victim is None or seq.request.priority > victim.request.priority):
+                victim = seq
+        if victim is not None and than is not None and (
+            victim.request.priority <= than.request.priority or self.waiting.key(victim) <= self.waiting.key(than)
+        ):
+            return None
+        return victim
+
     def _fit_drafts(self, seq: Sequence, budget: int) -> int:
         """Tokens to schedule for a running sequence; drafts past the budget are dropped."""
         wanted = seq.num_tokens_with_spec - seq.num_computed_tokens
@@ -89,21 +125,40 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.num_steps += 1
+        self._scheduled_now.clear()
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
-        scheduled_ids: set[int] = set()
+        # Running sequences less urgent than a waiting one go after the waiting ones.
+        urgent = self.waiting.best_priority() if self.priority_policy else None
+        first, deferred = list(self.running), []
+        if urgent is not None and any(s.request.priority > urgent for s in first):
+            deferred = [s for s in first if s.request.priority > urgent]
+            first = [s for s in first if s.request.priority <= urgent]
 
         # 1. Running sequences first, in admission order.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        budget = self._schedule_running(first, budget, out)
+        # 2. Waiting sequences in (priority, arrival) order, unless this step had to preempt
+        #    (then only waiting ones more urgent than everything preempted).
+        if not out.preempted or (urgent is not None and urgent < min(s.request.priority for s in out.preempted)):
+            budget = self._schedule_waiting(budget, out)
+        # 3. Running sequences that yielded to more urgent waiting ones.
+        if deferred:
+            self._schedule_running(deferred, budget, out)
+        return out
+
+    def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+        bm = self.block_manager
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
             num_new = self._fit_drafts(seq, budget)
             if num_new <= 0:
-                i += 1
                 continue
             while not bm.can_allocate(seq, num_new):
-                victim = self.running[-1]
-                if victim is seq:
+                victim = self._victim()
+                if victim is seq or victim is None:
                     break
                 self._preempt(victim, out)
             if not bm.can_allocate(seq, num_new):
@@ -117,18 +172,30 @@ class Scheduler:
                 continue
             bm.allocate(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new))
-            scheduled_ids.add(seq.seq_id)
+            self._scheduled_now.add(seq.seq_id)
             budget -= num_new
-            i += 1
+        return budget
 
-        # 2. Waiting sequences in FIFO order, unless this step had to preempt.
-        if out.preempted:
-            return out
+    def _seq_limit(self, seq: Sequence) -> int:
+        """How many sequences may run once ``seq`` is admitted (background work leaves a reserve)."""
+        return self.max_num_seqs - (self.reserved_seqs if seq.request.priority > 0 else 0)
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        bm = self.block_manager
         skipped: list[Sequence] = []
         # Prompt blocks that requests admitted in this step are computing now (not yet cached).
         inflight: set[bytes] = set()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) >= self._seq_limit(seq):
+                victim = self._victim(than=seq)
+                if victim is not None and len(self.running) >= self.max_num_seqs:
+                    self._preempt(victim, out)  # an urgent request takes a background slot
+                elif len(self.running) >= self.max_num_seqs or not self.priority_policy:
+                    break
+                else:  # only the reserve is left: an urgent request behind this one may use it
+                    skipped.append(self.waiting.popleft())
+                    continue
             leader = seq.request.seqs[0]
             if seq is not leader and leader.num_computed_tokens < leader.num_prompt_tokens and not leader.is_finished:
                 # A sibling sample waits for the first sample's prompt, then shares its blocks.
@@ -149,6 +216,11 @@ class Scheduler:
                 bm.free(seq)
                 out.failed.append((seq, self._too_large(seq)))
                 continue
+            while not bm.can_allocate(seq, num_new):
+                victim = self._victim(than=seq)  # an urgent request takes a background one's blocks
+                if victim is None:
+                    break
+                self._preempt(victim, out)
             if not bm.can_allocate(seq, num_new):
                 # FIFO: later arrivals never jump a blocked head. It gives back the prefix hits it
                 # just attached: a waiting sequence holds no blocks between steps, so the running
@@ -172,10 +244,11 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
+            self._scheduled_now.add(seq.seq_id)
             budget -= num_new
-        for seq in reversed(skipped):
-            self.waiting.appendleft(seq)
-        return out
+        for seq in skipped:
+            self.waiting.append(seq)
+        return budget
 
     def _shares_inflight_prefix(self, seq: Sequence, inflight: set, num_new: int) -> bool:
         """True when ``seq``'s next uncomputed prompt block is being computed in this step by a

@@ -17,6 +17,7 @@ from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
+_request_counter = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -96,6 +97,11 @@ class Request:
     cache_salt: str | None = None
     # The seed sampling uses: params.seed, or one drawn fresh at submission (reported back).
     seed: int | None = None
+    # vLLM's request priority: lower is served first (under scheduling_policy="priority").
+    priority: int = 0
+    # Arrival order (ties between equal keys) and the scheduler step it arrived at (aging).
+    arrival_order: int = field(default_factory=lambda: next(_request_counter))
+    arrival_step: int = 0
 
     @property
     def is_finished(self) -> bool:

@@ -13,6 +13,7 @@ from celery import Celery
 from kombu import Queue
 
 from .config import env, broker_url_from_env, model_from_env, queue_name, visibility_timeout
+from .lanes import lane_queues
 
 FALLBACK_BROKER = "redis://127.0.0.1:6379/0"
 TASK_NAME = "specbatch.generate"
@@ -40,7 +41,9 @@ def _settings(broker_url: str) -> dict:
         broker_connection_max_retries=None,  # a restarting Redis is waited for, never given up on
         # Redis redelivers unacked messages after this long; it must outlast the longest job,
         # and kombu/celery read it from three places (celery#7651), so set all of them.
-        broker_transport_options={"visibility_timeout": vt},
+        # "priority": BRPOP names the queues in the order given (interactive lane first) instead
+        # of rotating them, so an urgent message is always taken before a bulk one.
+        broker_transport_options={"visibility_timeout": vt, "queue_order_strategy": "priority"},
         result_backend_transport_options={"visibility_timeout": vt},
         visibility_timeout=vt,
         task_serializer="json",
@@ -63,7 +66,7 @@ def _settings(broker_url: str) -> dict:
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_pool="threads",  # one process, one engine; threads hand requests to its loop
         task_default_queue=default_queue,
-        task_queues=[Queue(default_queue, routing_key=default_queue)],
+        task_queues=[Queue(q, routing_key=q) for q in lane_queues(default_queue)],
         task_create_missing_queues=True,
         worker_hijack_root_logger=False,
         # Under an orchestrator (REMAP_SIGTERM=SIGQUIT), finish running jobs for this long
@@ -77,6 +80,10 @@ def make_app(broker_url: str | None = None, *, include_tasks: bool = True) -> Ce
     several clients in one process never share connection pools or a control mailbox."""
     new = Celery("specbatch", include=["worker.tasks"] if include_tasks else [])
     new.conf.update(_settings(broker_url or broker_url_from_env() or FALLBACK_BROKER))
+    if include_tasks:  # a worker's app: keep task threads free for the interactive lane
+        from .governor import LaneGovernor
+
+        new.steps["consumer"].add(LaneGovernor)
     return new
 
 

@@ -58,9 +58,13 @@ def _client(ctx: click.Context, **kw):
 @click.option("--speculative", default=None, envvar="SPECBATCH_SPECULATIVE",
               help="Speculative decoding METHOD[:K]: ngram, suffix or draft; K an integer or auto.")
 @click.option("--draft-model", default=None, envvar="SPECBATCH_DRAFT_MODEL", help="Draft model for --speculative draft.")
+@click.option("--priority", default="bulk", show_default=True,
+              help="Lane of the batch's jobs: bulk, interactive, or an integer (lower is more urgent).")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=None,
+              help="At most this many of the batch's jobs queued in Redis or running at once.")
 @click.pass_context
 def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency, max_num_seqs, local_worker, timeout,
-        speculative, draft_model):
+        speculative, draft_model, priority, max_in_flight):
     """Validate FILE, enqueue every line, follow progress, write the output file."""
     _speculation_env(speculative, draft_model)  # read by a local worker started below
     from .validate import token_counter
@@ -75,17 +79,21 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
                   soft_wrap=True)  # never break a URL across lines
     with console.status(f"loading the tokenizer of {settings.model}"):
         counter = token_counter(settings.model)
-    sub = client.submit_batch(path, name=name, retry_failed=retry_failed, count_tokens=counter,
-                              max_model_len=counter.max_model_len)
+    try:
+        sub = client.submit_batch(path, name=name, retry_failed=retry_failed, count_tokens=counter,
+                                  max_model_len=counter.max_model_len, priority=priority, max_in_flight=max_in_flight)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     p = sub.prepared
     console.print(
         f"batch [bold]{sub.batch_id}[/] ({name}): {len(sub.parsed.requests)} good lines, {len(sub.bad_lines)} bad; "
-        f"enqueued {sub.published}, already succeeded {p.skipped_succeeded}, kept failed {p.skipped_failed}"
+        f"enqueued {len(p.to_enqueue)} (published {sub.published} so far), already succeeded {p.skipped_succeeded}, "
+        f"kept failed {p.skipped_failed}"
     )
     started = time.time()
     worker = None
     try:
-        if sub.published and local_worker and not client.workers_consuming(settings.queue_name):
+        if p.to_enqueue and local_worker and not client.workers_consuming(settings.queue_name):
             from .local import LocalWorker
 
             log_path = env("WORKER_LOG") or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")
@@ -178,8 +186,10 @@ def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: a fresh one, recorded with the job).")
 @click.option("--custom-id", default=None)
 @click.option("--wait", "wait_s", type=float, default=None, help="Wait up to this many seconds and print the result.")
+@click.option("--priority", default="interactive", show_default=True,
+              help="Lane: interactive, bulk, or an integer (lower is more urgent).")
 @click.pass_context
-def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s):
+def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s, priority):
     """Enqueue one job and print its id."""
     client = _client(ctx, model=model)
     # Only what was given: every default is SamplingParams' own (one request model).
@@ -187,9 +197,10 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
               if v is not None}
     try:
         if chat:
-            job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id)
+            job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id,
+                                   priority=priority)
         else:
-            job_id = client.submit(prompt, params=params, custom_id=custom_id)
+            job_id = client.submit(prompt, params=params, custom_id=custom_id, priority=priority)
     except ValueError as exc:  # SamplingParams names the field
         raise click.UsageError(str(exc)) from None
     click.echo(job_id)
@@ -204,7 +215,8 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
 @cli.command()
 @click.option("--device", default=None, help="cpu or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
 @click.option("--model", default=None)
-@click.option("--queue", default=None, help="Queue to consume (default gen.<model-slug>).")
+@click.option("--queue", default=None,
+              help="Queue to consume (default gen.<model-slug>), with its interactive lane <queue>.interactive first.")
 @click.option("--concurrency", "-c", type=int, default=None, help="Task threads (default: 2 x max-num-seqs).")
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--name", default=None, help="Node name (default <device>@<host>).")
@@ -219,6 +231,7 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
            drain_timeout):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
     _speculation_env(speculative, draft_model)
+    from .lanes import lane_queues
     from .runtime import pin_device, worker_name
 
     device = device or env("DEVICE", "cpu")
@@ -244,9 +257,10 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     node = worker_name(device) if name is None else (name if "@" in name else f"{name}@{socket.gethostname()}")
     # Twice the engine's batch: finished sequences are replaced from the engine's own waiting
     # queue at the next step, instead of the batch draining while threads ack and fetch anew.
-    argv = ["worker", "-P", "threads", "-c", str(concurrency or 2 * seqs), "-Q", settings.queue_name, "-n", node,
+    lanes = lane_queues(settings.queue_name)  # interactive first: kombu polls them in this order
+    argv = ["worker", "-P", "threads", "-c", str(concurrency or 2 * seqs), "-Q", ",".join(lanes), "-n", node,
             "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
-    console.print(f"worker {node}: queue {settings.queue_name}, broker {redact_url(broker)}, "
+    console.print(f"worker {node}: queues {', '.join(lanes)}, broker {redact_url(broker)}, "
                   f"database {redact_url(settings.database_url)}", soft_wrap=True)
     app.worker_main(argv)
 

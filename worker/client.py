@@ -20,10 +20,12 @@ from engine.sampling_params import SamplingParams
 
 from .app import TASK_NAME, make_app
 from .config import Settings, queue_name
+from .lanes import BULK, INTERACTIVE, lane_queue, lane_queues, parse_priority
 from .dbretry import with_db_retry
 from .embedded import ensure_broker_url
 from .formats import MAX_CUSTOM_ID, BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
 from .models import QUEUED, RUNNING, TERMINAL
+from .pacer import Pacer
 from .publish import publish_jobs
 from .request import openai_sampling_params, with_seed
 from .sqltypes import stored_length
@@ -64,8 +66,9 @@ class Client:
     def model(self) -> str:
         return self.settings.model
 
-    def queue_for(self, model: str) -> str:
-        return self.settings.queue or queue_name(model)
+    def queue_for(self, model: str, priority: int | None = None) -> str:
+        """The Redis queue of a job: the model's interactive or bulk lane (see ``worker.lanes``)."""
+        return lane_queue(self.settings.queue or queue_name(model), parse_priority(priority))
 
     # ---- submit ------------------------------------------------------------------------
     def submit(
@@ -77,13 +80,17 @@ class Client:
         model: str | None = None,
         custom_id: str | None = None,
         job_id: str | None = None,
+        priority: int | str = INTERACTIVE,
     ) -> str:
         """Store and enqueue one job; returns its id (reusing ``job_id`` is idempotent).
 
         ``params`` is a ``SamplingParams`` or a dict of its fields (OpenAI's
         ``max_completion_tokens`` too); a bad one raises ``ValueError`` naming the field. The
         stored params carry every default and a seed, so any worker runs the job the same way.
+        ``priority``: ``"interactive"`` (the default: a service waiting for its answer),
+        ``"bulk"``, or an integer (lower is more urgent; <= 0 rides the interactive lane).
         """
+        priority = parse_priority(priority)
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if custom_id is not None and not 0 < stored_length(custom_id) <= MAX_CUSTOM_ID:
@@ -93,7 +100,7 @@ class Client:
         model = model or self.model
         row = job_row(
             id=job_id, model=model, custom_id=custom_id, messages=messages,
-            params=with_seed(params).to_dict(), queue=self.queue_for(model),
+            params=with_seed(params).to_dict(), queue=self.queue_for(model, priority), priority=priority,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
         )
@@ -110,14 +117,22 @@ class Client:
         retry_failed: bool = False,
         count_tokens: CountTokens | None = None,
         max_model_len: int | None = None,
+        priority: int | str = BULK,
+        max_in_flight: int | None = None,
     ) -> BatchSubmission:
-        """Validate every line, write the batch in one transaction, then publish its jobs.
+        """Validate every line, write the batch, then publish the first window of its jobs.
 
         ``source`` is a JSONL path or rows (dicts or JSON strings). Bad lines become failed
         jobs naming the line and cause; with ``count_tokens`` and ``max_model_len`` prompts that
-        do not fit the context are caught here too.
+        do not fit the context are caught here too. ``priority`` (default ``"bulk"``) is every
+        line's unless the line's body names one; ``max_in_flight`` caps how many of the batch's
+        jobs are published or running at once. The workers' pacers publish the rest, a window
+        at a time, round-robin with the other open batches (``worker.pacer``).
         """
         t0 = time.perf_counter()
+        priority = parse_priority(priority)
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         model = model or self.model
         if isinstance(source, (str, Path)):
             input_file = str(source)
@@ -131,9 +146,10 @@ class Client:
             job_row(
                 model=model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint, prompt=r.prompt,
                 prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=with_seed(r.params).to_dict(),
-                queue=self.queue_for(model),
+                queue=self.queue_for(model, prio), priority=prio,
             )
             for r in parsed.requests
+            for prio in (priority if r.priority is None else r.priority,)
         ]
         invalid = [
             job_row(model=model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
@@ -142,15 +158,23 @@ class Client:
         prepared = self.store.prepare_batch(
             name=name, input_file=input_file, model=model, rows=rows, invalid_rows=invalid,
             params={"retry_failed": retry_failed}, retry_failed=retry_failed,
+            priority=priority, max_in_flight=max_in_flight,
         )
-        published = self.publish(prepared.to_enqueue)
+        published = self.pace(model)
         return BatchSubmission(prepared.batch_id, parsed, prepared, published, time.perf_counter() - t0)
+
+    def pace(self, model: str | None = None) -> int:
+        """One pacer tick on the model's lanes: publish the first window of open batches now
+        (workers' pacers publish the rest as the queue drains)."""
+        queues = lane_queues(self.settings.queue or queue_name(model or self.model))
+        return Pacer(self.store, self.app, queues).tick()
 
     def publish(self, rows: Sequence[dict[str, Any]]) -> int:
         """Publish one task message per job row through one producer and connection, retrying
         while Redis restarts; rows that never reach it stay queued in the store, and a worker's
         orphan sweep publishes them after its grace period."""
-        return publish_jobs(self.app, rows, lambda row: row.get("queue") or self.queue_for(row["model"]))
+        return publish_jobs(self.app, rows,
+                            lambda row: row.get("queue") or self.queue_for(row["model"], row.get("priority")))
 
     # ---- follow ------------------------------------------------------------------------
     def wait(self, job_or_batch: str, *, timeout: float | None = None, poll: float = 0.25) -> dict[str, int] | str:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from engine.sampling_params import SamplingParams
 
 from .config import model_slug
+from .lanes import parse_priority
 from .request import OPENAI_SAMPLING_FIELDS, openai_sampling_params
 from .sqltypes import stored_length
 
@@ -51,6 +52,8 @@ class _Body(BaseModel):
     model: StrictStr | None = None
     user: StrictStr | None = None  # accepted and ignored, as OpenAI does for batch lines
     stream: Literal[False] | None = None
+    # vLLM's request priority (lower is more urgent) or a lane name; None: the batch's.
+    priority: StrictInt | StrictStr | None = None
 
     def sampling_fields(self) -> dict[str, Any]:
         extra = self.model_extra or {}
@@ -119,6 +122,7 @@ class Request:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     model: str | None = None
+    priority: int | None = None  # None: the batch's priority
 
 
 @dataclass(slots=True)
@@ -224,6 +228,12 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
                               messages=[m.model_dump(exclude_none=True) for m in plain.messages], model=plain.model)
             else:
                 req = _completion(line_no, cid, plain.prompt, _sampling(plain), plain.model)
+        given = (body if "body" in data or "url" in data else plain).priority
+        if given is not None:
+            try:
+                req.priority = parse_priority(given)
+            except ValueError as exc:
+                raise _FieldError(f"priority: {exc}") from None
         if stored_length(cid) > MAX_CUSTOM_ID:
             raise _FieldError(f"custom_id: longer than {MAX_CUSTOM_ID} characters as stored "
                               "(each NUL or backslash in an id with a NUL counts twice)")

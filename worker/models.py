@@ -39,6 +39,10 @@ class Batch(Base):
     num_succeeded: Mapped[int] = mapped_column(Integer, default=0)
     num_failed: Mapped[int] = mapped_column(Integer, default=0)
     num_cancelled: Mapped[int] = mapped_column(Integer, default=0)
+    # Priority lanes: the batch's priority (its jobs' unless a line names one) and the most of
+    # its jobs published or running at once (None: no cap beyond the pacing window).
+    priority: Mapped[int | None]
+    max_in_flight: Mapped[int | None]
     created_at: Mapped[float]
     finished_at: Mapped[float | None]
 
@@ -51,6 +55,7 @@ class Job(Base):
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
         Index("ix_jobs_batch_status", "batch_id", "status"),
         Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
+        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "line_no"),
     )
 
     id: Mapped[str] = mapped_column(NulSafeString(64), primary_key=True)
@@ -70,6 +75,7 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     attempts_forgiven: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     queue: Mapped[str | None] = mapped_column(String(255))  # the Redis queue its messages go to
+    priority: Mapped[int | None]  # lower is more urgent (worker.lanes); None is the bulk lane's
     worker: Mapped[str | None] = mapped_column(String(255))
     device: Mapped[str | None] = mapped_column(String(64))
     # results

@@ -66,6 +66,7 @@ class WorkRequest:
     prompt: str | list[int] | None
     messages: list[dict[str, Any]] | None
     params: SamplingParams
+    priority: int = 1  # the engine's scheduling priority (worker.lanes); bulk when unset
 
 
 def request_from_payload(payload: Any) -> WorkRequest:
@@ -83,7 +84,10 @@ def request_from_payload(payload: Any) -> WorkRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("payload needs exactly one of prompt, prompt_token_ids_in or messages")
     params = payload.get("params")
-    return WorkRequest(prompt, messages, SamplingParams.from_dict({} if params is None else params))
+    from .lanes import parse_priority
+
+    return WorkRequest(prompt, messages, SamplingParams.from_dict({} if params is None else params),
+                       parse_priority(payload.get("priority")))
 
 
 def _brief(value: Any) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from celery import signals
 
 from .config import database_url_from_env, env, model_from_env, queue_name
+from .lanes import lane_queue, lane_queues, parse_priority
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,17 @@ def worker_name(device: str, host: str | None = None) -> str:
 
 
 def engine_kwargs_from_env() -> dict[str, Any]:
-    """Engine knobs from ``SPECBATCH_*`` (set by ``specbatch worker`` flags)."""
-    kwargs: dict[str, Any] = {"max_num_seqs": int(env("MAX_NUM_SEQS", "64"))}
+    """Engine knobs from ``SPECBATCH_*`` (set by ``specbatch worker`` flags).
+
+    A worker schedules by priority (lanes): urgent requests first, bulk ones preempted for
+    them, and ``RESERVED_SEQS`` engine slots (default 1/16 of the batch) bulk work never fills.
+    """
+    seqs = int(env("MAX_NUM_SEQS", "64"))
+    kwargs: dict[str, Any] = {
+        "max_num_seqs": seqs,
+        "scheduling_policy": "priority",
+        "reserved_seqs": min(int(env("RESERVED_SEQS", str(max(1, seqs // 16)))), seqs - 1),
+    }
     if env("MAX_NUM_BATCHED_TOKENS"):
         kwargs["max_num_batched_tokens"] = int(env("MAX_NUM_BATCHED_TOKENS"))
     if env("KV_CACHE_BYTES"):
@@ -90,11 +100,12 @@ class Runtime:
     label: str  # what the store records ("cpu", "cuda:1")
     llm: Any
     loop: Any
-    queue: str = ""  # the queue this worker consumes (where given-back jobs go)
+    queue: str = ""  # the model's (bulk) queue; its interactive lane is ``<queue>.interactive``
     inflight: dict[str, str] = field(default_factory=dict)  # job id -> engine request id
     lock: threading.Lock = field(default_factory=threading.Lock)
     heartbeat: Any = None  # the process's Heartbeat, started with the first job
     reaper: Any = None  # the process's Reaper (worker processes only)
+    pacer: Any = None  # the process's Pacer (worker processes only)
     draining: bool = False  # warm shutdown began: hand new messages back, give back what is left
     dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
 
@@ -106,6 +117,13 @@ class Runtime:
 
                 self.heartbeat = Heartbeat(store, self.loop.abort, interval)
             return self.heartbeat
+
+    def queue_of(self, payload: dict[str, Any]) -> str:
+        """The lane queue a job of this worker's model goes back to."""
+        try:
+            return lane_queue(self.queue, parse_priority(payload.get("priority")))
+        except ValueError:
+            return self.queue
 
     def abort_jobs(self, job_ids: list[str]) -> list[str]:
         """Abort the given jobs if this process is generating them (cooperative cancel)."""
@@ -164,6 +182,8 @@ def stop(drain_timeout: float = 30.0) -> None:
                 _runtime.heartbeat.stop()
             if _runtime.reaper is not None:
                 _runtime.reaper.stop()
+            if _runtime.pacer is not None:
+                _runtime.pacer.stop()
             _runtime = None
 
 
@@ -236,12 +256,14 @@ def _load_at_worker_start(sender=None, **_: Any) -> None:
 def _start_maintenance(rt: Runtime) -> None:
     """The heartbeat (leases of running jobs) and the reaper (sweeps once now, then every interval)."""
     from .app import app
+    from .pacer import Pacer
     from .reaper import Reaper
     from .tasks import heartbeat_seconds, lease_seconds, max_attempts
 
     rt.heartbeats(store(), heartbeat_seconds())
-    rt.reaper = Reaper(store(), app, [rt.queue], worker=_worker_name or rt.label, lease_s=lease_seconds(),
-                       max_attempts=max_attempts()).start()
+    rt.reaper = Reaper(store(), app, lane_queues(rt.queue), worker=_worker_name or rt.label,
+                       lease_s=lease_seconds(), max_attempts=max_attempts()).start()
+    rt.pacer = Pacer(store(), app, lane_queues(rt.queue), owner=_worker_name or rt.label).start()
 
 
 def _on_engine_death(exc: BaseException) -> None:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import Engine, bindparam, create_engine, delete, event, func, select, update
+from sqlalchemy import Engine, and_, bindparam, create_engine, delete, event, func, or_, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -97,7 +97,7 @@ class PreparedBatch:
 
 
 JOB_PAYLOAD_FIELDS = ("id", "model", "endpoint", "prompt", "prompt_token_ids_in", "messages", "params",
-                      "batch_id", "custom_id", "line_no")
+                      "batch_id", "custom_id", "line_no", "priority")
 
 
 class Store:
@@ -155,6 +155,8 @@ class Store:
         invalid_rows: Sequence[dict[str, Any]] = (),
         params: dict[str, Any] | None = None,
         retry_failed: bool = False,
+        priority: int | None = None,
+        max_in_flight: int | None = None,
     ) -> PreparedBatch:
         """Create (or reopen, by ``name``) a batch and write its rows, ``INSERT_CHUNK`` rows per
         transaction (one long transaction would hold SQLite's write lock and starve heartbeats).
@@ -164,6 +166,9 @@ class Store:
         queued or running (a duplicate message is harmless). Bad input lines are stored as
         failed jobs so exports have every line. A crash half-way leaves a prefix of the rows:
         reopening the batch by name writes the rest.
+
+        Rows to run are written unpublished (``published_at`` NULL): the pacer (``worker.pacer``)
+        publishes them a window at a time, round-robin between batches, under ``max_in_flight``.
         """
         now = time.time()
         with self.engine.begin() as conn:
@@ -176,11 +181,12 @@ class Store:
                     self._insert(Batch).values(
                         id=batch_id, name=name, input_file=input_file, model=model, params=params or {},
                         num_total=0, num_queued=0, num_running=0, num_succeeded=0, num_failed=0,
-                        num_cancelled=0, created_at=now,
+                        num_cancelled=0, created_at=now, priority=priority, max_in_flight=max_in_flight,
                     )
                 )
             else:
-                conn.execute(update(Batch).where(Batch.id == batch_id).values(finished_at=None, input_file=input_file))
+                conn.execute(update(Batch).where(Batch.id == batch_id).values(
+                    finished_at=None, input_file=input_file, priority=priority, max_in_flight=max_in_flight))
             conn.execute(delete(Job).where(Job.batch_id == batch_id, Job.error_type == INVALID_INPUT))
         prepared = PreparedBatch(batch_id=batch_id)
         with self.reader.connect() as conn:
@@ -193,7 +199,7 @@ class Store:
         for row in rows:
             old = existing.get(row["custom_id"])
             if old is None:
-                r = dict(row, batch_id=batch_id, enqueued_at=now, published_at=now, status=QUEUED)
+                r = dict(row, batch_id=batch_id, enqueued_at=now, published_at=None, status=QUEUED)
                 new_rows.append(r)
                 prepared.to_enqueue.append(r)
             elif old.status == SUCCEEDED:
@@ -215,7 +221,9 @@ class Store:
                     .values(status=QUEUED, error=None, error_type=None, finish_reason=None, finished_at=None,
                             enqueued_at=now, attempts_forgiven=Job.attempts)
                 )
-                conn.execute(update(Job).where(Job.id.in_(chunk)).values(published_at=now))
+                # Queued ones go back to the pacer (a lost message is re-published that way too);
+                # running ones keep their attempt and lease (the reaper has them if they die).
+                conn.execute(update(Job).where(Job.id.in_(chunk), Job.status == QUEUED).values(published_at=None))
         bad = [
             dict(r, batch_id=batch_id, status=FAILED, error_type=INVALID_INPUT, enqueued_at=now, finished_at=now)
             for r in invalid_rows
@@ -375,7 +383,7 @@ class Store:
             rows = conn.execute(
                 select(Job.id, Job.queue).where(
                     Job.status == QUEUED, Job.queue.in_(list(queues)),
-                    func.coalesce(Job.published_at, Job.enqueued_at) < cutoff,
+                    Job.published_at < cutoff,  # NULL: not published yet, the pacer's to send
                 ).limit(limit)
             ).all()
         return [(r.id, r.queue) for r in rows]
@@ -397,6 +405,48 @@ class Store:
         for chunk in _chunks(list(job_ids), 500):
             with self.engine.begin() as conn:
                 conn.execute(update(Job).where(Job.id.in_(chunk), Job.status == QUEUED).values(**values))
+
+    # ---- pacing (worker.pacer) -----------------------------------------------------------
+    def open_batches(self) -> list[tuple[str, int | None]]:
+        """(id, max_in_flight) of batches not finished, oldest first: the pacer's round-robin."""
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(Batch.id, Batch.max_in_flight).where(Batch.finished_at.is_(None)).order_by(Batch.created_at)
+            ).all()
+        return [(r.id, r.max_in_flight) for r in rows]
+
+    def in_flight(self, batch_id: str) -> int:
+        """Jobs of the batch published and not yet final (waiting in Redis, reserved or running)."""
+        with self.reader.connect() as conn:
+            return conn.execute(
+                select(func.count()).select_from(Job).where(
+                    Job.batch_id == batch_id,
+                    or_(Job.status == RUNNING, and_(Job.status == QUEUED, Job.published_at.is_not(None))),
+                )
+            ).scalar_one()
+
+    def take_unpublished(self, batch_id: str, queue: str, limit: int) -> list[dict[str, Any]]:
+        """Mark the batch's next ``limit`` unpublished queued jobs of ``queue`` (in line order)
+        published, and return their payloads to publish. Empty when none are left."""
+        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(*cols).where(Job.batch_id == batch_id, Job.status == QUEUED, Job.published_at.is_(None),
+                                    Job.queue == queue)
+                .order_by(Job.line_no).limit(limit)
+            ).mappings().all()
+        if rows:
+            with self.engine.begin() as conn:
+                conn.execute(update(Job).where(Job.id.in_([r["id"] for r in rows]), Job.published_at.is_(None))
+                             .values(published_at=time.time()))
+        return [dict(r) for r in rows]
+
+    def has_unpublished(self, batch_id: str) -> bool:
+        with self.reader.connect() as conn:
+            return conn.execute(
+                select(Job.id).where(Job.batch_id == batch_id, Job.status == QUEUED, Job.published_at.is_(None))
+                .limit(1)
+            ).first() is not None
 
     # ---- workers -----------------------------------------------------------------------
     def worker_starting(self, name: str, **info: Any) -> None:
@@ -533,6 +583,7 @@ def job_row(
     error_type: str | None = None,
     finished_at: float | None = None,
     queue: str | None = None,
+    priority: int | None = None,
 ) -> dict[str, Any]:
     """A complete ``jobs`` row as a dict (every row of a bulk insert has the same keys)."""
     return {
@@ -550,6 +601,7 @@ def job_row(
         "attempts": 0,
         "attempts_forgiven": 0,
         "queue": queue,
+        "priority": priority,
         "enqueued_at": enqueued_at if enqueued_at is not None else time.time(),
         "published_at": enqueued_at if enqueued_at is not None else time.time(),
         "error": error,

@@ -45,7 +45,7 @@ def hand_back(rt: runtime.Runtime, job_id: str, payload: dict[str, Any]) -> str:
     from .publish import publish_jobs
 
     try:
-        publish_jobs(app, [payload], lambda _row: rt.queue)
+        publish_jobs(app, [payload], lambda _row: rt.queue_of(payload))
     except Exception:  # Redis away too: the job is still queued in the store; the orphan sweep has it
         log.warning("could not hand back %s; the orphan sweep will", job_id, exc_info=True)
     return "handed back"
@@ -59,7 +59,7 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
     if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive)):
         return "fenced"
     try:
-        publish_jobs(app, [dict(payload, id=job_id)], lambda _row: rt.queue)
+        publish_jobs(app, [dict(payload, id=job_id)], lambda _row: rt.queue_of(payload))
     except Exception:
         log.warning("could not publish given-back %s; the orphan sweep will", job_id, exc_info=True)
     log.info("job %s attempt %s given back: %s", job_id, attempt, reason)
@@ -77,7 +77,7 @@ def generate(self, job_id: str, payload: dict[str, Any]) -> str:
     worker = self.request.hostname or runtime.worker_name(rt.label)
     claim = with_db_retry("claim", lambda: store.claim(
         job_id, worker=worker, device=rt.label, lease_s=lease_seconds(), max_attempts=max_attempts(),
-        payload=payload, queue=rt.queue,
+        payload=payload, queue=rt.queue_of(payload),
     ))
     if not claim.ok:
         log.info("job %s skipped: %s", job_id, claim.reason)
@@ -102,7 +102,8 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
         return give_back(rt, store, job_id, attempt, payload, "worker stopping", forgive=True)
     try:
         req = request_from_payload(payload)
-        handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id)
+        handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id,
+                                priority=req.priority)
     except ValueError as exc:  # bad input: fail this job only, never retry it
         with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"))
         return "failed"

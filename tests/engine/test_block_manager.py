@@ -101,8 +101,9 @@ def test_lru_prefers_evicting_blocks_freed_longest_ago():
     _compute(bm, new)
     bm.free(old)
     bm.free(new)
-    filler = make_seq([40, 41, 42], "filler")
-    bm.allocate(filler, 3)  # two blocks from the LRU head: both of "old" (freed first)
+    filler = make_seq([40, 41, 42, 43, 44], "filler")
+    # Three blocks: the two never-cached tails first, then the cached block freed first ("old").
+    bm.allocate(filler, 5)
     assert bm.match_prefix(make_seq([1, 2, 3], "q1")) == 0
     assert bm.match_prefix(make_seq([7, 8, 9], "q2")) == 2
 

@@ -1,0 +1,102 @@
+"""Keep a reserve of task threads for the interactive lane.
+
+Celery reserves at most ``concurrency`` messages per worker (``acks_late``, prefetch 1), from
+all its queues together. A bulk run would take every one of them, and an interactive message
+would then wait in Redis until some bulk job finished. The governor stops consuming the bulk
+queue while the bulk messages this worker holds reach ``concurrency - reserve``, and resumes
+once they fall back below, so ``reserve`` threads are always free to take interactive work at
+once. It runs in the consumer's thread: on every received message (Celery's ``task_received``)
+and on a short timer, and it cancels and re-adds only the kombu consumer of the bulk queue (the
+queue stays advertised to ``inspect active_queues`` and Flower).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps, signals
+from celery.worker import state
+
+from .config import env
+from .lanes import INTERACTIVE
+
+log = logging.getLogger(__name__)
+
+
+def interactive_reserve(concurrency: int) -> int:
+    """Task threads bulk work may not take (``SPECBATCH_INTERACTIVE_RESERVE``; default 1/8)."""
+    default = max(1, concurrency // 8) if concurrency > 1 else 0
+    return min(max(0, int(env("INTERACTIVE_RESERVE", str(default)))), max(0, concurrency - 1))
+
+
+class LaneGovernor(bootsteps.StartStopStep):
+    """A consumer bootstep (``app.steps["consumer"].add(LaneGovernor)``)."""
+
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.consumer = None
+        self.paused: dict[str, Any] = {}  # bulk queue name -> its kombu Queue, while paused
+        self.cap = 0
+        self.timer = None
+
+    def start(self, c: Any) -> None:
+        self.consumer = c
+        concurrency = c.controller.concurrency if c.controller is not None else c.pool.num_processes
+        self.cap = concurrency - interactive_reserve(concurrency)
+        _governors.append(self)
+        self.timer = c.timer.call_repeatedly(0.1, self.check)
+
+    def stop(self, c: Any) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self in _governors:
+            _governors.remove(self)
+        self.paused.clear()
+        self.consumer = None
+
+    def bulk_queues(self) -> list[Any]:
+        task_consumer = getattr(self.consumer, "task_consumer", None)
+        if task_consumer is None:
+            return []
+        return [q for q in task_consumer.queues if not q.name.endswith(f".{INTERACTIVE}")]
+
+    def held(self, names: set[str]) -> int:
+        """Bulk messages this worker holds (reserved: waiting for or running in a thread)."""
+        return sum(1 for r in tuple(state.reserved_requests)
+                   if (r.delivery_info or {}).get("routing_key") in names)
+
+    def check(self) -> None:
+        c = self.consumer
+        task_consumer = getattr(c, "task_consumer", None)
+        if task_consumer is None:
+            return
+        names = {q.name for q in self.bulk_queues()} | set(self.paused)
+        if not names:
+            return
+        held = self.held(names)
+        if held >= self.cap and not self.paused:
+            for queue in self.bulk_queues():
+                self.paused[queue.name] = queue
+                task_consumer.cancel_by_queue(queue.name)
+            log.debug("bulk lane paused: %d bulk messages held (cap %d)", held, self.cap)
+        elif held < self.cap and self.paused and not getattr(c, "_specbatch_draining", False):
+            for queue in self.paused.values():
+                task_consumer.add_queue(queue)
+            self.paused.clear()
+            task_consumer.consume()
+            log.debug("bulk lane resumed: %d bulk messages held (cap %d)", held, self.cap)
+
+
+_governors: list[LaneGovernor] = []
+
+
+@signals.task_received.connect
+def _on_received(sender=None, request=None, **_: Any) -> None:
+    """Each received message: pause the bulk lane the moment it reaches its cap."""
+    for governor in list(_governors):
+        if governor.consumer is sender:
+            governor.check()
