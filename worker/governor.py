@@ -64,12 +64,16 @@ class LaneGovernor(bootsteps.StartStopStep):
             return []
         return [q for q in task_consumer.queues if not q.name.endswith(f".{INTERACTIVE}")]
 
-    def held(self, names: set[str]) -> int:
-        """Bulk messages this worker holds (reserved: waiting for or running in a thread)."""
-        return sum(1 for r in tuple(state.reserved_requests)
-                   if (r.delivery_info or {}).get("routing_key") in names)
+    def held(self, names: set[str], pending: Any = None) -> int:
+        """Bulk messages this worker holds (reserved: waiting for or running in a thread), plus
+        ``pending``, a request just received and not yet counted as reserved."""
+        reserved = tuple(state.reserved_requests)
+        count = sum(1 for r in reserved if _routing_key(r) in names)
+        if pending is not None and pending not in reserved and _routing_key(pending) in names:
+            count += 1
+        return count
 
-    def check(self) -> None:
+    def check(self, pending: Any = None) -> None:
         c = self.consumer
         task_consumer = getattr(c, "task_consumer", None)
         if task_consumer is None:
@@ -77,7 +81,7 @@ class LaneGovernor(bootsteps.StartStopStep):
         names = {q.name for q in self.bulk_queues()} | set(self.paused)
         if not names:
             return
-        held = self.held(names)
+        held = self.held(names, pending)
         if held >= self.cap and not self.paused:
             for queue in self.bulk_queues():
                 self.paused[queue.name] = queue
@@ -94,9 +98,13 @@ class LaneGovernor(bootsteps.StartStopStep):
 _governors: list[LaneGovernor] = []
 
 
+def _routing_key(request: Any) -> str | None:
+    return (getattr(request, "delivery_info", None) or {}).get("routing_key")
+
+
 @signals.task_received.connect
 def _on_received(sender=None, request=None, **_: Any) -> None:
     """Each received message: pause the bulk lane the moment it reaches its cap."""
     for governor in list(_governors):
         if governor.consumer is sender:
-            governor.check()
+            governor.check(pending=request)

@@ -108,6 +108,7 @@ class Job(Base):
     num_preemptions: Mapped[int | None]
     num_steps: Mapped[int | None]
     max_batch_size: Mapped[int | None]
+    num_waiting_steps: Mapped[int | None]  # engine steps from reaching the engine to first scheduled
 
 
 # Worker states, as ``specbatch status`` shows them.

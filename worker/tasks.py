@@ -180,6 +180,7 @@ def result_values(out) -> dict[str, Any]:
         "num_preemptions": m.num_preemptions,
         "num_steps": m.num_steps,
         "max_batch_size": m.max_batch_size,
+        "num_waiting_steps": m.num_waiting_steps,
     }
     return values
 

@@ -1,4 +1,4 @@
-"""Priority lanes: each job's priority, a per-batch cap of jobs in flight, and an index the
+"""Priority lanes: each job's priority and the engine steps it waited inside the engine, a per-batch cap of jobs in flight, and an index the
 pacer uses to take each batch's next unpublished jobs in line order.
 
 Revision ID: 0003
@@ -19,6 +19,7 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("priority", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("num_waiting_steps", sa.Integer(), nullable=True))
     with op.batch_alter_table("batches") as batch:
         batch.add_column(sa.Column("max_in_flight", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("priority", sa.Integer(), nullable=True))
@@ -31,4 +32,5 @@ def downgrade() -> None:
         batch.drop_column("priority")
         batch.drop_column("max_in_flight")
     with op.batch_alter_table("jobs") as batch:
+        batch.drop_column("num_waiting_steps")
         batch.drop_column("priority")

@@ -76,7 +76,7 @@ def test_run_mixed_file(tmp_path, redis_url, unique_queue):
     first = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows if r["error"] is None}
     res2 = run_cli(args, env, tmp_path)
     assert res2.returncode == 1
-    assert "enqueued 0, already succeeded 4" in " ".join(res2.stderr.split())
+    assert "enqueued 0 (published 0 so far), already succeeded 4" in " ".join(res2.stderr.split())
     rows2 = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(rows2) == len(lines)
     assert {r["custom_id"]: r["response"]["body"]["choices"] for r in rows2 if r["error"] is None} == first

@@ -25,8 +25,8 @@ def tiny_model(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
-def start_worker(client, settings, tmp_path, seqs=32) -> LocalWorker:
-    worker = LocalWorker(settings, concurrency=seqs, max_num_seqs=seqs, loglevel="info",
+def start_worker(client, settings, tmp_path, seqs=32, concurrency=None) -> LocalWorker:
+    worker = LocalWorker(settings, concurrency=concurrency or seqs, max_num_seqs=seqs, loglevel="info",
                          log_path=str(tmp_path / "worker.log"))
     deadline = time.monotonic() + 120
     try:
