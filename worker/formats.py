@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from engine.sampling_params import SamplingParams
 
 from .config import model_slug
-from .request import OPENAI_SAMPLING_FIELDS, openai_sampling_params
+from .openai_fields import RULES, Endpoint, FieldError, sampling_fields
+from .request import openai_sampling_params
 from .sqltypes import stored_length
 
 MAX_CUSTOM_ID = 255  # the jobs.custom_id column
@@ -44,20 +45,16 @@ class Message(BaseModel):
 
 
 class _Body(BaseModel):
-    """What every body may carry besides its prompt; the sampling fields arrive as extras and
-    go to ``SamplingParams`` (the one place that checks them), anything else is unknown."""
+    """What every body may carry besides its prompt; every other field arrives as an extra and
+    is classified by ``openai_fields`` (honoured sampling fields go to ``SamplingParams``, the
+    one place that checks them; ignored ones are dropped; refused and unknown ones fail the line)."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
-    user: StrictStr | None = None  # accepted and ignored, as OpenAI does for batch lines
-    stream: Literal[False] | None = None
 
-    def sampling_fields(self) -> dict[str, Any]:
-        extra = self.model_extra or {}
-        unknown = sorted(k[:40] for k in extra if k not in OPENAI_SAMPLING_FIELDS)
-        if unknown:
-            raise _FieldError(f"{', '.join(unknown)}: unknown field")
-        return extra
+    def sampling_params(self, endpoint: Endpoint) -> SamplingParams:
+        fields = sampling_fields(self.model_extra or {}, endpoint)
+        return openai_sampling_params(fields, endpoint=endpoint)
 
 
 class ChatBody(_Body):
@@ -211,19 +208,19 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
             cid = line.custom_id
             if line.url == "/v1/chat/completions":
                 body = ChatBody.model_validate(line.body)
-                req = Request(line_no, cid, "chat", _sampling(body),
+                req = Request(line_no, cid, "chat", body.sampling_params("chat"),
                               messages=[m.model_dump(exclude_none=True) for m in body.messages], model=body.model)
             else:
                 body = CompletionBody.model_validate(line.body)
-                req = _completion(line_no, cid, body.prompt, _sampling(body), body.model)
+                req = _completion(line_no, cid, body.prompt, body.sampling_params("completions"), body.model)
         else:
             plain = PlainLine.model_validate(data)
             cid = plain.custom_id or f"line-{line_no}"
             if plain.messages is not None:
-                req = Request(line_no, cid, "chat", _sampling(plain),
+                req = Request(line_no, cid, "chat", plain.sampling_params("chat"),
                               messages=[m.model_dump(exclude_none=True) for m in plain.messages], model=plain.model)
             else:
-                req = _completion(line_no, cid, plain.prompt, _sampling(plain), plain.model)
+                req = _completion(line_no, cid, plain.prompt, plain.sampling_params("completions"), plain.model)
         if stored_length(cid) > MAX_CUSTOM_ID:
             raise _FieldError(f"custom_id: longer than {MAX_CUSTOM_ID} characters as stored "
                               "(each NUL or backslash in an id with a NUL counts twice)")
@@ -231,15 +228,11 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
             raise _FieldError(f"model: {req.model[:80]!r} is not this batch's model {model!r}")
     except ValidationError as exc:
         return BadLine(line_no, _pydantic_error(exc), custom_id)
-    except _FieldError as exc:
+    except (_FieldError, FieldError) as exc:
         return BadLine(line_no, str(exc), custom_id)
     except ValueError as exc:
         return BadLine(line_no, f"invalid params: {exc}", custom_id)
     return req
-
-
-def _sampling(body: _Body) -> SamplingParams:
-    return openai_sampling_params(body.sampling_fields())
 
 
 def _completion(line_no: int, cid: str, prompt: str | list[int], params: SamplingParams, model: str | None) -> Request:
