@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from engine.sampling_params import SamplingParams
 
 from .config import model_slug
+from .logprobs import chat_logprobs, completion_logprobs
 from .openai_fields import RULES, Endpoint, FieldError, sampling_fields
 from .request import openai_sampling_params
 from .sqltypes import stored_length
@@ -324,15 +325,50 @@ def _metrics(job) -> dict[str, Any]:
     }
 
 
+#: error types of a request that was wrong (HTTP 400 in OpenAI's error file), not a failure
+INVALID_ERROR_TYPES = frozenset({"invalid_input", "invalid_request"})
+_PARAM = re.compile(r"^(?:invalid params: |invalid prompt: )?([A-Za-z_][\w.\[\]]*)(?::| must| and )")
+
+
+def error_param(message: str) -> str | None:
+    """The request field an error names (``"line 3: top_p must be ..."`` -> ``top_p``), or None.
+
+    Errors are phrased ``field: cause`` (or ``field must ...``) throughout, so the field is read
+    back from the message instead of being stored twice; only names a body may carry count.
+    """
+    text = re.sub(r"^line \d+: ", "", message)
+    match = _PARAM.match(text)
+    if match is None:
+        return None
+    param = match.group(1)
+    head = re.split(r"[.\[]", param, maxsplit=1)[0]
+    known = head in RULES or head in _LINE_FIELDS or text[match.end():].startswith(" unknown field")
+    return param if known else None
+
+
+_LINE_FIELDS = frozenset({"custom_id", "method", "url", "body", "messages", "prompt", "model"})
+
+
+def _error_lines(job, base: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's error-file shapes: an invalid request is a 400 response with an ``error``
+    body; anything else (generation failed, cancelled, attempts exhausted) is ``error``."""
+    code = job.error_type or job.status
+    message = job.error or job.status
+    if job.line_no is not None and not message.startswith("line "):
+        message = f"line {job.line_no}: {message}"
+    if job.error_type in INVALID_ERROR_TYPES:
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": error_param(message),
+                          "code": code}}
+        response = {"status_code": 400, "request_id": job.id, "body": body}
+        return {**base, "response": response, "error": None, "specbatch": _metrics(job)}
+    return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": _metrics(job)}
+
+
 def output_line(job) -> dict[str, Any]:
     """The OpenAI Batch output line for a finished job (a ``Job`` row)."""
     base = {"id": f"batch_req_{job.id}", "custom_id": job.custom_id}
     if job.status != "succeeded":
-        code = job.error_type or job.status
-        message = job.error or job.status
-        if job.line_no is not None and not message.startswith("line "):
-            message = f"line {job.line_no}: {message}"
-        return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": _metrics(job)}
+        return _error_lines(job, base)
     created = int(job.finished_at or time.time())
     samples = job.outputs or [{"text": job.output_text or "", "finish_reason": job.finish_reason}]
     usage = {
@@ -346,7 +382,7 @@ def output_line(job) -> dict[str, Any]:
             "id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": job.model,
             "choices": [
                 {"index": i, "message": {"role": "assistant", "content": s["text"]},
-                 "finish_reason": _finish(s.get("finish_reason")), "logprobs": None}
+                 "finish_reason": _finish(s.get("finish_reason")), "logprobs": chat_logprobs(s)}
                 for i, s in enumerate(samples)
             ],
             "usage": usage,
@@ -355,7 +391,8 @@ def output_line(job) -> dict[str, Any]:
         body = {
             "id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": job.model,
             "choices": [
-                {"index": i, "text": s["text"], "finish_reason": _finish(s.get("finish_reason")), "logprobs": None}
+                {"index": i, "text": s["text"], "finish_reason": _finish(s.get("finish_reason")),
+                 "logprobs": completion_logprobs(s)}
                 for i, s in enumerate(samples)
             ],
             "usage": usage,
