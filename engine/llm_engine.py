@@ -29,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
 from engine.step_recovery import StepRecovery
+from engine.token_bytes import TokenBytes
 from kernels import kernel_backend
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._tokenizer_lock = threading.Lock()
         self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len, self._tokenizer_lock)
+        # Token id -> (text, bytes) for logprobs; any thread (it takes the tokenizer lock).
+        self.token_bytes = TokenBytes(self.tokenizer, self._tokenizer_lock)
         self.speculator = None
         if config.speculative_config is not None:
             from engine.spec.speculator import Speculator
@@ -137,6 +140,10 @@ class LLMEngine:
             raise ValueError(
                 f"prompt needs {self.block_manager.blocks_needed(len(token_ids) + 1)} KV-cache blocks but the "
                 f"cache holds {self.block_manager.num_blocks}; raise kv_cache_memory_bytes"
+            )
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(
+                f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {self.vocab_size})"
             )
         room = self.max_model_len - len(token_ids)
         if params.max_tokens > room:  # a limit past the context ends with "length", never fails

@@ -18,6 +18,8 @@ DEFAULT_MAX_TOKENS = 1024
 MAX_N = 128  # samples per request (each one holds a sequence slot and its KV blocks)
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI and vLLM take it
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
+LOGIT_BIAS_MAX = 100.0  # OpenAI's bound; -100 bans a token and +100 makes it (one of) the only choice(s)
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], allow_none: bool = False) -> None:
@@ -67,6 +69,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit before sampling; JSON's string keys are accepted.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,8 +126,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={_short(self.max_tokens)}], got {_short(self.min_tokens)}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {_short(self.logprobs)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {_short(self.logprobs)}")
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -147,4 +152,33 @@ class SamplingParams:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """JSON-ready: ``logit_bias`` keys become strings, as JSON stores them anyway."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.logit_bias is not None:
+            data["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return data
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """``{token id: bias}`` with int keys and float values; ``{}`` means none. Keys may be
+    decimal strings (JSON objects have string keys); the vocabulary bound is the engine's
+    check, as only it knows the vocabulary."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {type(value).__name__} {_short(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {_short(key)}")
+        _check_type(f"logit_bias[{token}]", bias, (int, float))
+        if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {_short(bias)}")
+        if token in out:
+            raise ValueError(f"logit_bias gives token {token} twice")
+        out[token] = float(bias)
+    return out or None

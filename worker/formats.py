@@ -18,7 +18,9 @@ from engine.sampling_params import SamplingParams
 
 from .config import model_slug
 from .lanes import parse_priority
-from .request import OPENAI_SAMPLING_FIELDS, openai_sampling_params
+from .logprobs import chat_logprobs, completion_logprobs
+from .openai_fields import RULES, Endpoint, FieldError, sampling_fields
+from .request import openai_sampling_params
 from .sqltypes import stored_length
 
 MAX_CUSTOM_ID = 255  # the jobs.custom_id column
@@ -45,22 +47,18 @@ class Message(BaseModel):
 
 
 class _Body(BaseModel):
-    """What every body may carry besides its prompt; the sampling fields arrive as extras and
-    go to ``SamplingParams`` (the one place that checks them), anything else is unknown."""
+    """What every body may carry besides its prompt; every other field arrives as an extra and
+    is classified by ``openai_fields`` (honoured sampling fields go to ``SamplingParams``, the
+    one place that checks them; ignored ones are dropped; refused and unknown ones fail the line)."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
-    user: StrictStr | None = None  # accepted and ignored, as OpenAI does for batch lines
-    stream: Literal[False] | None = None
     # vLLM's request priority (lower is more urgent) or a lane name; None: the batch's.
     priority: StrictInt | StrictStr | None = None
 
-    def sampling_fields(self) -> dict[str, Any]:
-        extra = self.model_extra or {}
-        unknown = sorted(k[:40] for k in extra if k not in OPENAI_SAMPLING_FIELDS)
-        if unknown:
-            raise _FieldError(f"{', '.join(unknown)}: unknown field")
-        return extra
+    def sampling_params(self, endpoint: Endpoint) -> SamplingParams:
+        fields = sampling_fields(self.model_extra or {}, endpoint)
+        return openai_sampling_params(fields, endpoint=endpoint)
 
 
 class ChatBody(_Body):
@@ -215,19 +213,19 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
             cid = line.custom_id
             if line.url == "/v1/chat/completions":
                 body = ChatBody.model_validate(line.body)
-                req = Request(line_no, cid, "chat", _sampling(body),
+                req = Request(line_no, cid, "chat", body.sampling_params("chat"),
                               messages=[m.model_dump(exclude_none=True) for m in body.messages], model=body.model)
             else:
                 body = CompletionBody.model_validate(line.body)
-                req = _completion(line_no, cid, body.prompt, _sampling(body), body.model)
+                req = _completion(line_no, cid, body.prompt, body.sampling_params("completions"), body.model)
         else:
             plain = PlainLine.model_validate(data)
             cid = plain.custom_id or f"line-{line_no}"
             if plain.messages is not None:
-                req = Request(line_no, cid, "chat", _sampling(plain),
+                req = Request(line_no, cid, "chat", plain.sampling_params("chat"),
                               messages=[m.model_dump(exclude_none=True) for m in plain.messages], model=plain.model)
             else:
-                req = _completion(line_no, cid, plain.prompt, _sampling(plain), plain.model)
+                req = _completion(line_no, cid, plain.prompt, plain.sampling_params("completions"), plain.model)
         given = (body if "body" in data or "url" in data else plain).priority
         if given is not None:
             try:
@@ -241,15 +239,11 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
             raise _FieldError(f"model: {req.model[:80]!r} is not this batch's model {model!r}")
     except ValidationError as exc:
         return BadLine(line_no, _pydantic_error(exc), custom_id)
-    except _FieldError as exc:
+    except (_FieldError, FieldError) as exc:
         return BadLine(line_no, str(exc), custom_id)
     except ValueError as exc:
         return BadLine(line_no, f"invalid params: {exc}", custom_id)
     return req
-
-
-def _sampling(body: _Body) -> SamplingParams:
-    return openai_sampling_params(body.sampling_fields())
 
 
 def _completion(line_no: int, cid: str, prompt: str | list[int], params: SamplingParams, model: str | None) -> Request:
@@ -341,15 +335,50 @@ def _metrics(job) -> dict[str, Any]:
     }
 
 
+#: error types of a request that was wrong (HTTP 400 in OpenAI's error file), not a failure
+INVALID_ERROR_TYPES = frozenset({"invalid_input", "invalid_request"})
+_PARAM = re.compile(r"^(?:invalid params: |invalid prompt: )?([A-Za-z_][\w.\[\]]*)(?::| must| and )")
+
+
+def error_param(message: str) -> str | None:
+    """The request field an error names (``"line 3: top_p must be ..."`` -> ``top_p``), or None.
+
+    Errors are phrased ``field: cause`` (or ``field must ...``) throughout, so the field is read
+    back from the message instead of being stored twice; only names a body may carry count.
+    """
+    text = re.sub(r"^line \d+: ", "", message)
+    match = _PARAM.match(text)
+    if match is None:
+        return None
+    param = match.group(1)
+    head = re.split(r"[.\[]", param, maxsplit=1)[0]
+    known = head in RULES or head in _LINE_FIELDS or text[match.end():].startswith(" unknown field")
+    return param if known else None
+
+
+_LINE_FIELDS = frozenset({"custom_id", "method", "url", "body", "messages", "prompt", "model"})
+
+
+def _error_lines(job, base: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's error-file shapes: an invalid request is a 400 response with an ``error``
+    body; anything else (generation failed, cancelled, attempts exhausted) is ``error``."""
+    code = job.error_type or job.status
+    message = job.error or job.status
+    if job.line_no is not None and not message.startswith("line "):
+        message = f"line {job.line_no}: {message}"
+    if job.error_type in INVALID_ERROR_TYPES:
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": error_param(message),
+                          "code": code}}
+        response = {"status_code": 400, "request_id": job.id, "body": body}
+        return {**base, "response": response, "error": None, "specbatch": _metrics(job)}
+    return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": _metrics(job)}
+
+
 def output_line(job) -> dict[str, Any]:
     """The OpenAI Batch output line for a finished job (a ``Job`` row)."""
     base = {"id": f"batch_req_{job.id}", "custom_id": job.custom_id}
     if job.status != "succeeded":
-        code = job.error_type or job.status
-        message = job.error or job.status
-        if job.line_no is not None and not message.startswith("line "):
-            message = f"line {job.line_no}: {message}"
-        return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": _metrics(job)}
+        return _error_lines(job, base)
     created = int(job.finished_at or time.time())
     samples = job.outputs or [{"text": job.output_text or "", "finish_reason": job.finish_reason}]
     usage = {
@@ -363,7 +392,7 @@ def output_line(job) -> dict[str, Any]:
             "id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": job.model,
             "choices": [
                 {"index": i, "message": {"role": "assistant", "content": s["text"]},
-                 "finish_reason": _finish(s.get("finish_reason")), "logprobs": None}
+                 "finish_reason": _finish(s.get("finish_reason")), "logprobs": chat_logprobs(s)}
                 for i, s in enumerate(samples)
             ],
             "usage": usage,
@@ -372,7 +401,8 @@ def output_line(job) -> dict[str, Any]:
         body = {
             "id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": job.model,
             "choices": [
-                {"index": i, "text": s["text"], "finish_reason": _finish(s.get("finish_reason")), "logprobs": None}
+                {"index": i, "text": s["text"], "finish_reason": _finish(s.get("finish_reason")),
+                 "logprobs": completion_logprobs(s)}
                 for i, s in enumerate(samples)
             ],
             "usage": usage,

@@ -14,23 +14,30 @@ from typing import Any
 
 from engine.sampling_params import SEED_MAX, SamplingParams
 
-#: OpenAI body fields that become ``SamplingParams`` (vLLM's extensions included);
-#: ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``.
-OPENAI_SAMPLING_FIELDS = frozenset({
-    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-    "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-})
+from .openai_fields import BODY_FIELDS, RULES, Endpoint
+
+#: OpenAI body fields that become ``SamplingParams`` (vLLM's extensions included), as
+#: ``openai_fields`` classifies them; ``max_completion_tokens`` is OpenAI's newer name for
+#: ``max_tokens``, and chat's ``logprobs``/``top_logprobs`` map onto ``SamplingParams.logprobs``.
+OPENAI_SAMPLING_FIELDS = frozenset(
+    name for name, rule in RULES.items() if rule.status == "honoured" and name not in BODY_FIELDS
+)
 
 
-def openai_sampling_params(fields: dict[str, Any]) -> SamplingParams:
+def openai_sampling_params(fields: dict[str, Any], *, endpoint: Endpoint | None = None) -> SamplingParams:
     """``SamplingParams`` from OpenAI-named fields; ``null`` means "the default", as in OpenAI.
 
     ``max_completion_tokens`` and the deprecated ``max_tokens`` mean the same limit: either one
     is taken, both are fine when equal, and two different values are an error (never one
-    silently winning).
+    silently winning). ``logprobs`` is the endpoint's: chat's is a boolean with the number of
+    alternatives in ``top_logprobs``; completions' (and ``SamplingParams``', the default) is
+    that number itself.
     """
     given = {k: v for k, v in fields.items() if v is not None}
+    if endpoint == "chat":
+        _chat_logprobs(given)
+    elif "top_logprobs" in given:
+        raise ValueError("top_logprobs: a chat completions field; here logprobs is the number of alternatives")
     newer = given.pop("max_completion_tokens", None)
     if newer is not None:
         older = given.get("max_tokens")
@@ -46,6 +53,20 @@ def openai_sampling_params(fields: dict[str, Any]) -> SamplingParams:
         if newer is not None and str(exc).startswith("max_tokens"):
             raise ValueError(f"max_completion_tokens: {exc}") from None
         raise
+
+
+def _chat_logprobs(given: dict[str, Any]) -> None:
+    """Chat's ``logprobs: true`` + ``top_logprobs: k`` -> ``logprobs=k``, in place."""
+    wanted = given.pop("logprobs", False)
+    top = given.pop("top_logprobs", None)
+    if not isinstance(wanted, bool):
+        raise ValueError(f"logprobs must be true or false for chat completions, got {_brief(wanted)}")
+    if top is not None and not wanted:
+        raise ValueError("top_logprobs: needs logprobs: true")
+    if wanted:
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+            raise ValueError(f"top_logprobs must be an integer, got {_brief(top)}")
+        given["logprobs"] = 0 if top is None else top
 
 
 def fresh_seed() -> int:

@@ -21,6 +21,7 @@ from . import runtime
 from .app import TASK_NAME, app
 from .config import env, max_job_seconds, model_slug
 from .dbretry import with_db_retry
+from .logprobs import Pieces, pack
 from .models import FAILED, SUCCEEDED
 from .request import request_from_payload
 
@@ -131,7 +132,7 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
         lost = heartbeat.untrack(job_id)
         rt.inflight.pop(job_id, None)
     aborted_because = aborted_because or lost
-    values = result_values(out)
+    values = result_values(out, logprobs=req.params.logprobs, pieces=rt.loop.engine.token_bytes.pieces)
     if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
         return give_back(rt, store, job_id, attempt, payload, "drained: the worker is shutting down", forgive=True)
     if aborted_because is not None and values["status"] == SUCCEEDED:
@@ -145,8 +146,12 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
     return values["status"]
 
 
-def result_values(out) -> dict[str, Any]:
-    """Store columns from a finished ``RequestOutput``: text, tokens, timings, counts."""
+def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None) -> dict[str, Any]:
+    """Store columns from a finished ``RequestOutput``: text, tokens, timings, counts.
+
+    ``outputs`` holds every sample when there are several or when logprobs were asked for
+    (``logprobs`` alternatives per position, packed with ``pieces``: see ``worker.logprobs``).
+    """
     m = out.metrics
     first = out.outputs[0] if out.outputs else None
     finished = m.finished_time or m.last_token_time or time.time()
@@ -161,10 +166,7 @@ def result_values(out) -> dict[str, Any]:
         "error_type": "generation_error" if error else None,
         "output_text": first.text if first else None,
         "output_token_ids": list(first.token_ids) if first else None,
-        "outputs": (
-            [{"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in out.outputs]
-            if len(out.outputs) > 1 else None
-        ),
+        "outputs": _samples(out, logprobs, pieces),
         "finish_reason": first.finish_reason if first else "error",
         "first_scheduled_at": m.first_scheduled_time,
         "first_token_at": m.first_token_time,
@@ -183,6 +185,19 @@ def result_values(out) -> dict[str, Any]:
         "num_waiting_steps": m.num_waiting_steps,
     }
     return values
+
+
+def _samples(out, logprobs: int | None, pieces: Pieces | None) -> list[dict[str, Any]] | None:
+    want = logprobs is not None and pieces is not None
+    if len(out.outputs) < 2 and not want:
+        return None
+    samples = []
+    for c in out.outputs:
+        sample = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+        if want and c.logprobs is not None:
+            sample.update(pack(sample["token_ids"], c.logprobs, logprobs, pieces))
+        samples.append(sample)
+    return samples
 
 
 @control_command(args=[("job_ids", list)], signature="<job_id> [job_id …]")

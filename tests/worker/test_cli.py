@@ -66,20 +66,22 @@ def test_run_mixed_file(tmp_path, redis_url, unique_queue):
     assert by_line[8]["custom_id"] == "line-8"
     expected = {2: "malformed JSON", 4: "frobnicate: unknown field", 6: "over the model's context",
                 7: "max_tokens", 9: "duplicate custom_id"}
-    for n, needle in expected.items():
-        err = by_line[n]["error"]
-        assert by_line[n]["response"] is None and err["message"].startswith(f"line {n}:") and needle in err["message"], err
+    for n, needle in expected.items():  # OpenAI's error-file shape for invalid requests
+        assert by_line[n]["error"] is None and by_line[n]["response"]["status_code"] == 400, by_line[n]
+        err = by_line[n]["response"]["body"]["error"]
+        assert err["type"] == "invalid_request_error", err
+        assert err["message"].startswith(f"line {n}:") and needle in err["message"], err
     assert "5 line(s) without a result" in res.stderr
     assert "TTFT p50" in res.stderr
 
     # Rerun: nothing succeeded is generated again; the output still has every line.
-    first = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows if r["error"] is None}
+    first = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows if (r["response"] or {}).get("status_code") == 200}
     res2 = run_cli(args, env, tmp_path)
     assert res2.returncode == 1
     assert "enqueued 0 (published 0 so far), already succeeded 4" in " ".join(res2.stderr.split())
     rows2 = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(rows2) == len(lines)
-    assert {r["custom_id"]: r["response"]["body"]["choices"] for r in rows2 if r["error"] is None} == first
+    assert {r["custom_id"]: r["response"]["body"]["choices"] for r in rows2 if (r["response"] or {}).get("status_code") == 200} == first
 
 
 def test_run_with_speculation_records_drafts(tmp_path, redis_url, unique_queue):

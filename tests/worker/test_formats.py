@@ -96,7 +96,13 @@ def test_output_lines():
     comp = output_line(_job(endpoint="completions"))["response"]["body"]
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "hey"
     bad = output_line(_job(status="failed", error="malformed JSON", error_type="invalid_input", line_no=9))
-    assert bad["response"] is None and bad["error"] == {"code": "invalid_input", "message": "line 9: malformed JSON"}
+    assert bad["error"] is None and bad["response"] == {
+        "status_code": 400, "request_id": "j1",
+        "body": {"error": {"message": "line 9: malformed JSON", "type": "invalid_request_error", "param": None,
+                           "code": "invalid_input"}}}
+    failed = output_line(_job(status="failed", error="model step failed: x", error_type="generation_error", line_no=9))
+    assert failed["response"] is None
+    assert failed["error"] == {"code": "generation_error", "message": "line 9: model step failed: x"}
 
 
 from hypothesis import given, settings, strategies as st
