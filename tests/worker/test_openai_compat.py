@@ -118,14 +118,14 @@ ACCEPTED = {  # accepted and ignored: the line parses and its params are the pla
     "metadata": {"topic": "x"}, "store": True, "service_tier": "flex", "stream": False, "modalities": ["text"],
     "reasoning_effort": "high", "user": "u-1", "safety_identifier": "s", "prompt_cache_key": "k",
     "verbosity": "low", "parallel_tool_calls": True, "tool_choice": "none", "request_id": "r",
-    "response_format": {"type": "text"}, "tools": [], "priority": 0, "echo": False, "best_of": 1,
+    "response_format": {"type": "text"}, "tools": [], "echo": False, "best_of": 1,
 }
 REFUSED = {  # refused: the line is bad and the error names the field
     "stream": True, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "mp3"},
     "response_format": {"type": "json_object"}, "functions": [{"name": "f"}], "prediction": {"type": "content", "content": "x"},
     "stream_options": {"include_usage": True}, "guided_json": {"type": "object"}, "echo": True, "best_of": 3,
-    "use_beam_search": True, "logits_processors": ["x.y"], "cache_salt": "s", "priority": 5,
+    "use_beam_search": True, "logits_processors": ["x.y"], "cache_salt": "s",
     "web_search_options": {"search_context_size": "low"}, "prompt_logprobs": 1,
 }
 
