@@ -69,13 +69,22 @@ def interactive_wave(client, n: int, rate: float, params: dict, priority: str, t
         ids.append(client.submit(f"Question {i}: what is {i} plus {i}?", params=params, priority=priority))
     deadline = time.monotonic() + timeout
     latencies: list[float | None] = []
+    parts = []
     for job_id in ids:
         try:
             client.wait(job_id, timeout=max(0.1, deadline - time.monotonic()))
         except TimeoutError:
             pass
         job = client.store.get_job(job_id)
-        latencies.append(job.finished_at - job.enqueued_at if job.status == "succeeded" else None)
+        ok = job.status == "succeeded"
+        latencies.append(job.finished_at - job.enqueued_at if ok else None)
+        if ok:
+            parts.append((job.started_at - job.enqueued_at, job.first_scheduled_at - job.started_at,
+                          job.first_token_at - job.first_scheduled_at, job.finished_at - job.first_token_at))
+    if parts:
+        means = [statistics.mean(p[i] for p in parts) for i in range(4)]
+        print(f"    ({priority}) mean s: queue->claimed {means[0]:.3f}, claimed->scheduled {means[1]:.3f}, "
+              f"scheduled->first token {means[2]:.3f}, first token->done {means[3]:.3f}", flush=True)
     for job_id, lat in zip(ids, latencies):
         if lat is None:
             client.cancel(job_id)
@@ -91,10 +100,10 @@ def scenario(name: str, model: str, args, workdir: Path) -> dict:
     db_url = f"sqlite:///{workdir / (name + '.db')}"
     client = Client(broker_url=args.broker, database_url=db_url, model=model, queue=queue)
     settings = Settings(broker_url=client.settings.broker_url, database_url=db_url, model=model, queue=queue)
-    extra = {}
+    extra = {"SPECBATCH_URGENT_ONLY_STEPS": str(args.urgent_only_steps)}
     if name == "fifo":  # the system before lanes: one FIFO queue, FIFO engine, no reserves
         extra = {"SPECBATCH_ENGINE_KWARGS": json.dumps({"scheduling_policy": "fcfs", "reserved_seqs": 0}),
-                 "SPECBATCH_INTERACTIVE_RESERVE": "0"}
+                 "SPECBATCH_INTERACTIVE_RESERVE": "0", "SPECBATCH_URGENT_ONLY_STEPS": "0"}
     worker = LocalWorker(settings, max_num_seqs=args.max_num_seqs, log_path=str(workdir / f"{name}.log"),
                          extra_env=extra)
     priority = "interactive" if name == "lanes" else "bulk"
@@ -143,6 +152,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds for the bulk run to fill the engine")
     ap.add_argument("--timeout", type=float, default=120.0, help="give up on an interactive job after this")
+    ap.add_argument("--urgent-only-steps", type=int, default=0,
+                    help="lanes: k urgent-only steps of every k+1 while urgent and bulk both run")
     ap.add_argument("--broker", default=os.environ.get("REDIS_URL"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,6 +161,7 @@ def main() -> None:
         model = resolve(args.model, workdir)
         print(f"model {args.model}; {args.interactive} interactive jobs at {args.rate}/s, {args.interactive_tokens} "
               f"tokens each; bulk jobs of {args.bulk_tokens} tokens; max_num_seqs {args.max_num_seqs}; "
+              f"urgent_only_steps {args.urgent_only_steps}; "
               f"cpus {os.cpu_count()}", flush=True)
         results = {}
         for name in args.scenarios.split(","):

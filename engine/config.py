@@ -59,6 +59,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     priority_aging_steps: int = 1000
     reserved_seqs: int = 0
+    # While urgent (priority <= 0) and background requests both run, this many steps of every
+    # urgent_only_steps + 1 leave the background ones out (CPUs: a step's cost grows with its
+    # batch; GPUs: keep 0, a bigger decode batch costs almost nothing more).
+    urgent_only_steps: int = 0
     seed: int = 0  # unused: sampling noise is per request (seed, sample, position); kept for old callers
     speculative_config: "SpeculativeConfig | dict | None" = None
     trust_remote_code: bool = False
@@ -74,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not isinstance(self.reserved_seqs, int) or not 0 <= self.reserved_seqs < self.max_num_seqs:
             raise ValueError(f"reserved_seqs must be an integer in [0, max_num_seqs), got {self.reserved_seqs!r}")
+        if not isinstance(self.urgent_only_steps, int) or self.urgent_only_steps < 0:
+            raise ValueError(f"urgent_only_steps must be a non-negative integer, got {self.urgent_only_steps!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "priority_aging_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -56,7 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             policy=config.scheduling_policy, aging_steps=config.priority_aging_steps,
-            reserved_seqs=config.reserved_seqs,
+            reserved_seqs=config.reserved_seqs, urgent_only_steps=config.urgent_only_steps,
         )
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.sampler = Sampler(self.eos_ids, kernel_backend(config.device))

@@ -28,6 +28,11 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.waiting_queue import WaitingQueue
 
 
+#: Waiting sequences a step may pass over (siblings, a shared prefix in flight, bulk work at the
+#: reserve) looking for one to admit, so a long queue never costs a scan per step.
+MAX_SKIPPED = 64
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
@@ -52,7 +57,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 policy: str = "fcfs", aging_steps: int = 1000, reserved_seqs: int = 0) -> None:
+                 policy: str = "fcfs", aging_steps: int = 1000, reserved_seqs: int = 0,
+                 urgent_only_steps: int = 0) -> None:
         if not 0 <= reserved_seqs < max_num_seqs:
             raise ValueError(f"reserved_seqs must be in [0, max_num_seqs), got {reserved_seqs}")
         self.block_manager = block_manager
@@ -60,6 +66,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.priority_policy = policy == "priority"
         self.reserved_seqs = reserved_seqs if self.priority_policy else 0
+        self.urgent_only_steps = urgent_only_steps if self.priority_policy else 0
+        self._urgent_streak = 0
         self.waiting = WaitingQueue(policy, aging_steps)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,6 +138,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # Running sequences less urgent than a waiting one go after the waiting ones.
         urgent = self.waiting.best_priority() if self.priority_policy else None
+        if self._urgent_only_step(urgent):
+            # Only priority <= 0 this step: a small batch, so urgent tokens come at small-batch pace.
+            budget = self._schedule_running([s for s in self.running if s.request.priority <= 0], budget, out)
+            if not out.preempted:
+                self._schedule_waiting(budget, out, only_urgent=True)
+            return out
         first, deferred = list(self.running), []
         if urgent is not None and any(s.request.priority > urgent for s in first):
             deferred = [s for s in first if s.request.priority > urgent]
@@ -145,6 +159,23 @@ class Scheduler:
         if deferred:
             self._schedule_running(deferred, budget, out)
         return out
+
+    def _urgent_only_step(self, best_waiting: int | None) -> bool:
+        """With ``urgent_only_steps`` = k, while urgent (priority <= 0) and background requests
+        both run, k steps of every k + 1 leave the background ones out. Where a step's cost
+        grows with its batch (CPUs), urgent requests then decode at small-batch speed and bulk
+        work still advances every (k + 1)-th step; where it hardly grows (GPUs), keep k = 0."""
+        if not self.urgent_only_steps:
+            return False
+        urgent = (best_waiting is not None and best_waiting <= 0) or any(s.request.priority <= 0 for s in self.running)
+        if not urgent or not any(s.request.priority > 0 for s in self.running):
+            self._urgent_streak = 0
+            return False
+        if self._urgent_streak < self.urgent_only_steps:
+            self._urgent_streak += 1
+            return True
+        self._urgent_streak = 0
+        return False
 
     def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
         bm = self.block_manager
@@ -180,13 +211,15 @@ class Scheduler:
         """How many sequences may run once ``seq`` is admitted (background work leaves a reserve)."""
         return self.max_num_seqs - (self.reserved_seqs if seq.request.priority > 0 else 0)
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput, only_urgent: bool = False) -> int:
         bm = self.block_manager
         skipped: list[Sequence] = []
         # Prompt blocks that requests admitted in this step are computing now (not yet cached).
         inflight: set[bytes] = set()
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(skipped) <= MAX_SKIPPED:
             seq = self.waiting[0]
+            if only_urgent and seq.request.priority > 0:
+                break
             if len(self.running) >= self._seq_limit(seq):
                 victim = self._victim(than=seq)
                 if victim is not None and len(self.running) >= self.max_num_seqs:

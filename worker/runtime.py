@@ -64,6 +64,7 @@ def engine_kwargs_from_env() -> dict[str, Any]:
         "max_num_seqs": seqs,
         "scheduling_policy": "priority",
         "reserved_seqs": min(int(env("RESERVED_SEQS", str(max(1, seqs // 16)))), seqs - 1),
+        "urgent_only_steps": int(env("URGENT_ONLY_STEPS", "0")),
     }
     if env("MAX_NUM_BATCHED_TOKENS"):
         kwargs["max_num_batched_tokens"] = int(env("MAX_NUM_BATCHED_TOKENS"))

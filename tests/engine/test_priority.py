@@ -42,7 +42,7 @@ def ids(out) -> list[str]:
 
 
 def make_sched(policy="priority", **kw) -> Scheduler:
-    bm = BlockManager(kw.pop("num_blocks", 256), 4, enable_prefix_caching=False, by_priority=policy == "priority")
+    bm = BlockManager(kw.pop("num_blocks", 1024), 4, enable_prefix_caching=False, by_priority=policy == "priority")
     return Scheduler(bm, kw.pop("max_num_seqs", 4), kw.pop("budget", 64), policy=policy, **kw)
 
 
@@ -184,3 +184,21 @@ def test_llm_generate_takes_one_priority_per_prompt(prio_llm):
         prio_llm.generate(["a", "b"], priority=[0], use_tqdm=False)
     with pytest.raises(ValueError, match="priority must be an integer"):
         prio_llm.generate(["a"], priority=["high"], use_tqdm=False)
+
+
+def test_urgent_only_steps_leave_bulk_out_k_of_every_k_plus_1_steps():
+    sched = make_sched(max_num_seqs=8, urgent_only_steps=2)
+    for i in range(3):
+        sched.add(prio_seq([1, 2, 3], f"bulk{i}", BULK))
+    step(sched, max_out=100)
+    sched.add(prio_seq([1, 2, 3], "urgent", INTERACTIVE))
+    pattern = []
+    for _ in range(9):
+        out = step(sched, max_out=100)
+        assert "urgent" in ids(out)  # every step
+        pattern.append(any(n.startswith("bulk") for n in ids(out)))
+    assert pattern == [False, False, True] * 3
+    # Without urgent work, bulk runs every step.
+    sched.remove(sched.running[-1] if sched.running[-1].request.request_id == "urgent"
+                 else next(s for s in sched.running if s.request.request_id == "urgent"))
+    assert all(len(ids(step(sched, max_out=100))) == 3 for _ in range(4))
