@@ -36,7 +36,7 @@ def test_engine_that_cannot_be_built_takes_no_message(workers):
     assert " ready." not in log
     row = client.store.get_job(job)
     assert row.status == QUEUED and row.attempts == 0  # never claimed
-    assert redis.Redis.from_url(settings.broker_url).llen(settings.queue) == 1  # its message still waits
+    assert redis.Redis.from_url(settings.broker_url).llen(f"{settings.queue}.interactive") == 1  # its message still waits (interactive lane)
     (state,) = [w for w in client.store.workers() if w.name == broken.node]
     assert state.state == "failed" and "engine could not be built" in state.error and state.failures == 1
 
