@@ -146,6 +146,10 @@ class ModelRunner:
             sample_rows=sample_rows,
         )
 
+    def describe(self) -> str:
+        """One line for logs and benchmarks: how steps are run."""
+        return f"device {self.device}, dtype {self.config.dtype}, kernels {self.backend}"
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]`` for the sampled positions."""
