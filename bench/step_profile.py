@@ -91,6 +91,8 @@ def run_steps(engine: LLMEngine, steps: int) -> float:
         for request in engine.step():
             if request.is_finished:
                 engine.make_output(request)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -204,6 +206,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--modes", default="eager,captured", help="comma list of eager, captured")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -215,8 +219,8 @@ def main() -> None:
           f"prompts of {args.prompt_len} tokens")
     torch.manual_seed(0)
     for mode in args.modes.split(","):
-        llm = LLM(path, device="cpu", max_num_seqs=max(batches), quantization=args.quantization,
-                  decode_capture=(mode == "captured"))
+        llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+                  quantization=args.quantization, decode_capture=(mode == "captured"))
         engine = llm.engine
         vocab = engine.vocab_size
         print(f"\n=== {mode}: {engine.runner.describe()}")
