@@ -34,16 +34,17 @@ def load_model(
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf_model = hf_model.to(device).eval().requires_grad_(False)
-    if quantization is not None:
-        convert = lambda module: quantize_linears(module, quantization)  # noqa: E731
-    elif can_pack(device, dtype):
-        convert = pack_linears
-    else:
-        convert = None
+    pack = can_pack(device, dtype)
+
+    def convert(module: torch.nn.Module) -> None:
+        if quantization is not None:
+            quantize_linears(module, quantization)  # the linears it keeps in float are packed below
+        if pack:
+            pack_linears(module)
+
     if fuse_layers:
         fuse_decoder_layers(hf_model, after=convert)
-    if convert is not None:
-        convert(hf_model)
+    convert(hf_model)
     if device.type == "cpu":  # the weights are held once: no checkpoint map, no freed heap kept
         own_weights(hf_model)
         release_freed_heap()
