@@ -10,7 +10,7 @@ Two passes per batch size over the real code path of ``LLMEngine.step``:
    and glue. The timers themselves cost a few microseconds each, so pass 2's forward is a bit
    slower than pass 1's; its shares are what matter.
 
-    python bench/step_profile.py                       # batch 1, 8, 64; fp32 eager vs captured
+    python bench/step_profile.py                       # batch 1, 8, 64 (CUDA: eager vs captured)
     python bench/step_profile.py --batches 1 --steps 64 --quantization int8
 """
 
@@ -157,7 +157,7 @@ def profile_forward(engine: LLMEngine, prompts, steps: int) -> dict[str, float]:
         patched(fused_layers, "_rotate", timers.wrap("rotary", fused_layers._rotate)),
         patched(fused_layers, "paged_attention_flat", timers.wrap("attention", fused_layers.paged_attention_flat)),
         patched(engine.runner, "forward", timers.wrap("forward", forward)),
-        patched(engine.runner, "capture", None) if hasattr(engine.runner, "capture") else _null(),
+        patched(engine.runner, "graphs", None),  # the split needs the eager ops
     ):
         run_steps(engine, steps)
     for handle in handles:
@@ -166,11 +166,6 @@ def profile_forward(engine: LLMEngine, prompts, steps: int) -> dict[str, float]:
     result = {name: value / steps for name, value in timers.total.items()}
     result["other"] = result["forward"] - sum(v for k, v in result.items() if k != "forward")
     return result
-
-
-@contextmanager
-def _null() -> Iterator[None]:
-    yield
 
 
 def fmt_ms(seconds: float) -> str:
@@ -205,7 +200,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--quantization", default=None)
-    parser.add_argument("--modes", default="eager,captured", help="comma list of eager, captured")
+    parser.add_argument("--modes", default=None,
+                        help="comma list of eager, captured (default: both on CUDA; eager on the CPU, which never captures)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -213,12 +209,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes or ("eager,captured" if args.device.startswith("cuda") else "eager")
     path = resolve_model(args.model)
     print(describe_machine())
     print(f"model {args.model}, quantization {args.quantization or 'none'}, {args.steps} decode steps per batch, "
           f"prompts of {args.prompt_len} tokens")
     torch.manual_seed(0)
-    for mode in args.modes.split(","):
+    for mode in modes.split(","):
         llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
                   quantization=args.quantization, decode_capture=(mode == "captured"))
         engine = llm.engine
@@ -228,7 +225,7 @@ def main() -> None:
             prompts = [torch.randint(100, vocab - 100, (args.prompt_len,)).tolist() for _ in range(batch)]
             phases = profile_phases(engine, prompts, args.steps)
             print_phases(mode, batch, phases)
-            if mode == "eager":
+            if mode == "eager" and args.device == "cpu":  # CUDA ops are asynchronous: no per-op split
                 print_forward(batch, profile_forward(engine, prompts, args.steps))
         del llm, engine
 
