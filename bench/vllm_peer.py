@@ -127,8 +127,7 @@ def main() -> None:
     try:
         python = ensure_vllm_python()
         peer = VllmPeer(python, path, "float32", 64)
-        print(f"vLLM {peer.version} (CPU build, own venv {python.parent.parent}); specbatch {llm.engine.runner.describe()}, "
-              f"quantization {args.quantization or 'none'}")
+        print(f"vLLM {peer.version} (CPU build, own venv {python.parent.parent}); specbatch {llm.engine.runner.describe()}")
     except VllmUnavailable as exc:
         print(f"vLLM peer SKIPPED: {exc}. Measuring specbatch alone.")
     peers = {"specbatch": lambda p, m, i: ours(llm, p, m, i)}
