@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the kernels: the kernel tests compiled on the GPU (no interpreter), the decode
-# attention benchmark, the engine throughput benchmark, then suffix decoding at batch 64. Everything is teed to
+# attention benchmark, the decode CUDA-graph test and step profile (issue #17), the engine throughput benchmark, then suffix decoding at batch 64. Everything is teed to
 # bench/results/gpu_check-<date>.txt. Without a GPU: says so, runs the benchmark's dry mode
 # (tiny shapes, Triton interpreted on the CPU) and exits 0 (non-zero only if the dry run fails).
 #
@@ -31,6 +31,8 @@ stage() {  # stage NAME TIMEOUT CMD...: run one stage, log it, remember a failur
     if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "no GPU found: running the kernel benchmark's dry mode only"
         stage "bench/kernels.py (dry)" 300 "$PY" bench/kernels.py
+        stage "decode capture tests (CPU path; the CUDA one says it is skipped)" 300 \
+            "$PY" -m pytest tests/engine/test_decode_graphs.py -q -p no:cacheprovider -rs
         exit "$status"  # 0 unless the dry run itself broke
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
@@ -41,6 +43,13 @@ stage() {  # stage NAME TIMEOUT CMD...: run one stage, log it, remember a failur
         "$PY" -m pytest tests/kernels -q -p no:cacheprovider --durations=5
 
     stage "bench/kernels.py" "${BENCH_TIMEOUT:-180}" env -u TRITON_INTERPRET "$PY" bench/kernels.py
+
+    # Issue #17: decode steps replayed from CUDA graphs give the eager tokens; the step profile
+    # shows eager vs captured per-step time at batch 1, 8 and 64.
+    stage "decode CUDA graphs test" "${TESTS_TIMEOUT:-240}" env -u TRITON_INTERPRET SPECBATCH_TEST_DEVICE=cuda \
+        "$PY" -m pytest tests/engine/test_decode_graphs.py -q -p no:cacheprovider -rs
+    stage "bench/step_profile.py (cuda)" "${BENCH_TIMEOUT:-180}" env -u TRITON_INTERPRET \
+        "$PY" bench/step_profile.py --device cuda --steps 32
 
     if [ -f bench/throughput.py ]; then
         stage "bench/throughput.py" "${THROUGHPUT_TIMEOUT:-240}" env -u TRITON_INTERPRET \

@@ -69,6 +69,12 @@ class EngineConfig:
     # Llama-family decoder layers run as engine.fused_layers.FusedDecoderLayer (same maths, fewer
     # ops); False keeps transformers' own layers with our attention plugged in.
     fuse_layers: bool = True
+    # Quantization of the linear layers: None (exact, the default) or "int8" (opt-in, CPU; see
+    # engine.quantization for the kernel used and why int4 is not offered).
+    quantization: str | None = None
+    # Decode-only steps replay a captured forward (CUDA graphs on CUDA, torch.compile on the CPU)
+    # for a fixed set of batch sizes; anything else, or any capture failure, runs eagerly.
+    decode_capture: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,5 +96,11 @@ class EngineConfig:
             from engine.spec.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization is not None and self.device.type != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's quantized kernels)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

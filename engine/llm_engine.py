@@ -43,7 +43,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self.model = model or load_model(
-            config.model, config.dtype, config.device, config.trust_remote_code, config.fuse_layers
+            config.model, config.dtype, config.device, config.trust_remote_code, config.fuse_layers,
+            config.quantization,
         )
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size

@@ -10,6 +10,7 @@ from engine.cpu_linear import can_pack, pack_linears
 from engine.fused_layers import fuse_decoder_layers
 from engine.memory import own_weights, release_freed_heap
 from engine.model_hub import resolve_model
+from engine.quantization import quantize_linears
 
 
 def load_tokenizer(model: str, trust_remote_code: bool = False):
@@ -17,18 +18,33 @@ def load_tokenizer(model: str, trust_remote_code: bool = False):
 
 
 def load_model(
-    model: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False, fuse_layers: bool = True
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    fuse_layers: bool = True,
+    quantization: str | None = None,
 ) -> PreTrainedModel:
-    """The model in eval mode with our paged attention selected in every layer."""
+    """The model in eval mode with our paged attention selected in every layer.
+
+    Linears are prepacked for oneDNN (exact), or with ``quantization="int8"`` replaced by
+    int8 ones (``engine.quantization``), each layer as soon as it is fused so peaks stay low.
+    """
     path = resolve_model(model)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf_model = hf_model.to(device).eval().requires_grad_(False)
     pack = can_pack(device, dtype)
+
+    def convert(module: torch.nn.Module) -> None:
+        if quantization is not None:
+            quantize_linears(module, quantization)  # the linears it keeps in float are packed below
+        if pack:
+            pack_linears(module)
+
     if fuse_layers:
-        fuse_decoder_layers(hf_model, after=pack_linears if pack else None)
-    if pack:
-        pack_linears(hf_model)
+        fuse_decoder_layers(hf_model, after=convert)
+    convert(hf_model)
     if device.type == "cpu":  # the weights are held once: no checkpoint map, no freed heap kept
         own_weights(hf_model)
         release_freed_heap()

@@ -7,6 +7,7 @@ positions and cache slots; the model computes logits only at the positions that 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +16,11 @@ from transformers import PreTrainedModel
 import kernels
 from engine.attention import PagedMetadata
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.memory import available_memory_bytes, default_cpu_kv_blocks
 from engine.scheduler import ScheduledSeq
 
+log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepInputs:
@@ -51,6 +54,9 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if config.decode_capture and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len)
 
     @property
     def bytes_per_block(self) -> int:
@@ -146,9 +152,31 @@ class ModelRunner:
             sample_rows=sample_rows,
         )
 
+    def describe(self) -> str:
+        """One line for logs and benchmarks: how steps are run."""
+        capture = self.graphs.describe() if self.graphs is not None else "decode eager"
+        quant = self.config.quantization or "none"
+        return f"device {self.device}, dtype {self.config.dtype}, quantization {quant}, kernels {self.backend}, {capture}"
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Float32 logits ``[len(logits_indices), vocab]`` for the sampled positions."""
+        """Float32 logits ``[len(logits_indices), vocab]`` for the sampled positions.
+
+        Decode-only steps replay a captured graph where one is set up; if capturing or
+        replaying ever fails, capture is switched off for good and the step runs eagerly.
+        """
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            try:
+                return self.graphs.run(inputs)
+            except Exception as exc:
+                log.warning("decode capture failed (%s: %s); running every step eagerly from now on",
+                            type(exc).__name__, exc)
+                self.graphs = None
+        return self.forward_eager(inputs)
+
+    @torch.inference_mode()
+    def forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's forward, op by op (every step that is not replayed from a graph)."""
         out = self.model(
             input_ids=inputs.input_ids[None],
             position_ids=inputs.positions[None],

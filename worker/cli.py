@@ -226,9 +226,11 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
 @click.option("--draft-model", default=None, envvar="SPECBATCH_DRAFT_MODEL", help="Draft model for --speculative draft.")
 @click.option("--drain-timeout", type=float, default=None, envvar="SPECBATCH_DRAIN_TIMEOUT",
               help="On SIGTERM, seconds running jobs get to finish before they go back to the queue (default 30).")
+@click.option("--quantization", default=None, envvar="SPECBATCH_QUANTIZATION", type=click.Choice(["int8"]),
+              help="Opt-in int8 linears on the CPU (default: exact fp32/bf16).")
 @click.pass_context
 def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
-           drain_timeout):
+           drain_timeout, quantization):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
     _speculation_env(speculative, draft_model)
     from .lanes import lane_queues
@@ -241,6 +243,8 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
         os.environ["SPECBATCH_MODEL"] = model
     if max_num_seqs:
         os.environ["SPECBATCH_MAX_NUM_SEQS"] = str(max_num_seqs)
+    if quantization:
+        os.environ["SPECBATCH_QUANTIZATION"] = quantization
     if ctx.obj["database_url"]:
         os.environ["SPECBATCH_DATABASE_URL"] = ctx.obj["database_url"]
     from .embedded import ensure_broker_url

@@ -72,6 +72,8 @@ def engine_kwargs_from_env() -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = int(env("KV_CACHE_BYTES"))
     if env("DTYPE"):
         kwargs["dtype"] = env("DTYPE")
+    if env("QUANTIZATION"):
+        kwargs["quantization"] = env("QUANTIZATION")
     if env("SPECULATIVE"):
         kwargs["speculative_config"] = speculative_config(env("SPECULATIVE"), env("DRAFT_MODEL"))
     if env("ENGINE_KWARGS"):  # escape hatch: a JSON object of extra LLM(...) keyword arguments

@@ -1,0 +1,234 @@
+"""Where one decode step goes, at batch 1, 8 and 64: scheduler, prepare, forward, sampler,
+detokenizer and the loop around them, so the overhead left outside the forward is a number.
+
+Two passes per batch size over the real code path of ``LLMEngine.step``:
+1. phases: the engine's own methods are wrapped with timers (scheduler.schedule, runner.prepare,
+   runner.forward, _sample, _append_tokens); "loop" is what ``step()`` and the caller's output
+   handling cost besides them;
+2. forward split (eager only): timers around every linear, norm, rotary and attention call
+   inside the decoder layers, plus embedding and head; "other" is the forward's remaining Python
+   and glue. The timers themselves cost a few microseconds each, so pass 2's forward is a bit
+   slower than pass 1's; its shares are what matter.
+
+    python bench/step_profile.py                       # batch 1, 8, 64 (CUDA: eager vs captured)
+    python bench/step_profile.py --batches 1 --steps 64 --quantization int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path.pop(0)  # bench/queue.py must not shadow the standard library's queue
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+
+from bench.machine import describe_machine  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_hub import DEFAULT_MODEL, resolve_model  # noqa: E402
+
+PHASES = ("scheduler", "prepare", "forward", "sampler", "detokenizer", "loop")
+
+
+class Timers:
+    """Accumulated seconds per name."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[name] += time.perf_counter() - start
+
+        return timed
+
+
+@contextmanager
+def patched(obj, attr: str, value) -> Iterator[None]:
+    had = attr in vars(obj) if hasattr(obj, "__dict__") else False
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        if had or not hasattr(obj, "__dict__"):
+            setattr(obj, attr, old)
+        else:
+            delattr(obj, attr)
+
+
+def start_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
+    """Admit ``prompts`` and step until every one has finished its prefill (all decoding)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add(engine.make_request(prompt, params=params, request_id=f"profile-{time.monotonic_ns()}-{i}"))
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
+def drain(engine: LLMEngine) -> None:
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+
+
+def run_steps(engine: LLMEngine, steps: int) -> float:
+    """``steps`` decode steps, each followed by what ``LLM.generate`` does with the outputs."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        for request in engine.step():
+            if request.is_finished:
+                engine.make_output(request)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def profile_phases(engine: LLMEngine, prompts, steps: int) -> dict[str, float]:
+    """Seconds per step of each phase (pass 1)."""
+    timers = Timers()
+    start_batch(engine, prompts, steps + 8)
+    run_steps(engine, 2)  # warm-up (capture, allocator)
+    with (
+        patched(engine.scheduler, "schedule", timers.wrap("scheduler", engine.scheduler.schedule)),
+        patched(engine.runner, "prepare", timers.wrap("prepare", engine.runner.prepare)),
+        patched(engine.runner, "forward", timers.wrap("forward", engine.runner.forward)),
+        patched(engine, "_sample", timers.wrap("sampler", engine._sample)),
+        patched(engine, "_append_tokens", timers.wrap("detokenizer", engine._append_tokens)),
+    ):
+        wall = run_steps(engine, steps)
+    drain(engine)
+    result = {name: timers.total[name] / steps for name in PHASES if name != "loop"}
+    result["loop"] = wall / steps - sum(result.values())
+    result["step"] = wall / steps
+    return result
+
+
+def profile_forward(engine: LLMEngine, prompts, steps: int) -> dict[str, float]:
+    """Seconds per step inside the forward, by kind of op (pass 2, eager fused layers only)."""
+    from engine import fused_layers
+
+    model = engine.model
+    layers = [m for m in model.modules() if isinstance(m, fused_layers.FusedDecoderLayer)]
+    if not layers:
+        return {}
+    timers = Timers()
+    handles = []
+
+    def hook_module(module: torch.nn.Module, name: str) -> None:
+        state = {}
+
+        def pre(_m, _a):
+            state["t"] = time.perf_counter()
+
+        def post(_m, _a, _o):
+            timers.total[name] += time.perf_counter() - state["t"]
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+
+    for layer in layers:
+        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            hook_module(getattr(layer, attr), "linears")
+    hook_module(model.get_input_embeddings(), "embedding")
+    hook_module(model.get_output_embeddings(), "lm_head")
+    inner = model.model if hasattr(model, "model") else model
+    if hasattr(inner, "norm"):
+        hook_module(inner.norm, "norms")
+    if hasattr(inner, "rotary_emb"):
+        hook_module(inner.rotary_emb, "rotary")
+    start_batch(engine, prompts, steps + 8)
+    run_steps(engine, 2)
+    forward = engine.runner.forward
+    with (
+        patched(fused_layers, "_rms_norm", timers.wrap("norms", fused_layers._rms_norm)),
+        patched(fused_layers, "_rotate", timers.wrap("rotary", fused_layers._rotate)),
+        patched(fused_layers, "paged_attention_flat", timers.wrap("attention", fused_layers.paged_attention_flat)),
+        patched(engine.runner, "forward", timers.wrap("forward", forward)),
+        patched(engine.runner, "graphs", None),  # the split needs the eager ops
+    ):
+        run_steps(engine, steps)
+    for handle in handles:
+        handle.remove()
+    drain(engine)
+    result = {name: value / steps for name, value in timers.total.items()}
+    result["other"] = result["forward"] - sum(v for k, v in result.items() if k != "forward")
+    return result
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.2f}"
+
+
+def print_phases(label: str, batch: int, phases: dict[str, float]) -> None:
+    step = phases["step"]
+    overhead = step - phases["forward"]
+    print(f"\n{label}, batch {batch}: {step * 1e3:.2f} ms/step = {batch / step:.1f} tok/s")
+    print(f"  {'phase':<12}{'ms/step':>8}  share")
+    for name in PHASES:
+        print(f"  {name:<12}{fmt_ms(phases[name])}  {phases[name] / step:5.1%}")
+    print(f"  non-forward overhead: {overhead * 1e3:.2f} ms = {overhead / step:.1%} of the step")
+
+
+def print_forward(batch: int, split: dict[str, float]) -> None:
+    if not split:
+        print("  (no fused decoder layers: forward split not available)")
+        return
+    fwd = split["forward"]
+    print(f"  forward split at batch {batch} (timed pass, {fwd * 1e3:.2f} ms):")
+    for name in ("embedding", "norms", "rotary", "linears", "attention", "lm_head", "other"):
+        if name in split:
+            print(f"    {name:<10}{fmt_ms(split[name])}  {split[name] / fwd:5.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--modes", default=None,
+                        help="comma list of eager, captured (default: both on CUDA; eager on the CPU, which never captures)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes or ("eager,captured" if args.device.startswith("cuda") else "eager")
+    path = resolve_model(args.model)
+    print(describe_machine())
+    print(f"model {args.model}, quantization {args.quantization or 'none'}, {args.steps} decode steps per batch, "
+          f"prompts of {args.prompt_len} tokens")
+    torch.manual_seed(0)
+    for mode in modes.split(","):
+        llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+                  quantization=args.quantization, decode_capture=(mode == "captured"))
+        engine = llm.engine
+        vocab = engine.vocab_size
+        print(f"\n=== {mode}: {engine.runner.describe()}")
+        for batch in batches:
+            prompts = [torch.randint(100, vocab - 100, (args.prompt_len,)).tolist() for _ in range(batch)]
+            phases = profile_phases(engine, prompts, args.steps)
+            print_phases(mode, batch, phases)
+            if mode == "eager" and args.device == "cpu":  # CUDA ops are asynchronous: no per-op split
+                print_forward(batch, profile_forward(engine, prompts, args.steps))
+        del llm, engine
+
+
+if __name__ == "__main__":
+    main()
