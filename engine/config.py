@@ -72,8 +72,8 @@ class EngineConfig:
     # Quantization of the linear layers: None (exact, the default) or "int8" (opt-in, CPU; see
     # engine.quantization for the kernel used and why int4 is not offered).
     quantization: str | None = None
-    # Decode-only steps replay a captured forward (CUDA graphs on CUDA, torch.compile on the CPU)
-    # for a fixed set of batch sizes; anything else, or any capture failure, runs eagerly.
+    # On CUDA, decode-only steps replay a captured forward (CUDA graphs) for a fixed set of batch
+    # sizes; anything else, any capture failure, and every CPU step run eagerly (no CPU capture yet).
     decode_capture: bool = True
     extra: dict = field(default_factory=dict)
 
