@@ -81,6 +81,7 @@ class Client:
         custom_id: str | None = None,
         job_id: str | None = None,
         priority: int | str = INTERACTIVE,
+        user: str | None = None,
     ) -> str:
         """Store and enqueue one job; returns its id (reusing ``job_id`` is idempotent).
 
@@ -100,7 +101,7 @@ class Client:
         model = model or self.model
         row = job_row(
             id=job_id, model=model, custom_id=custom_id, messages=messages,
-            params=with_seed(params).to_dict(), queue=self.queue_for(model, priority), priority=priority,
+            params=with_seed(params).to_dict(), queue=self.queue_for(model, priority), priority=priority, user=user,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
         )
@@ -146,7 +147,7 @@ class Client:
             job_row(
                 model=model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint, prompt=r.prompt,
                 prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=with_seed(r.params).to_dict(),
-                queue=self.queue_for(model, prio), priority=prio,
+                queue=self.queue_for(model, prio), priority=prio, user=r.user,
             )
             for r in parsed.requests
             for prio in (priority if r.priority is None else r.priority,)

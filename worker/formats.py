@@ -24,6 +24,7 @@ from .request import openai_sampling_params
 from .sqltypes import stored_length
 
 MAX_CUSTOM_ID = 255  # the jobs.custom_id column
+MAX_USER = 255  # the jobs.user column
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
@@ -121,6 +122,7 @@ class Request:
     messages: list[dict[str, Any]] | None = None
     model: str | None = None
     priority: int | None = None  # None: the batch's priority
+    user: str | None = None  # OpenAI's end-user id: stored with the job, returned in the output
 
 
 @dataclass(slots=True)
@@ -226,7 +228,13 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
                               messages=[m.model_dump(exclude_none=True) for m in plain.messages], model=plain.model)
             else:
                 req = _completion(line_no, cid, plain.prompt, plain.sampling_params("completions"), plain.model)
-        given = (body if "body" in data or "url" in data else plain).priority
+        parsed_body = body if "body" in data or "url" in data else plain
+        user = (parsed_body.model_extra or {}).get("user")
+        if user is not None:
+            if not isinstance(user, str) or not 0 < stored_length(user) <= MAX_USER:
+                raise _FieldError(f"user: must be a string of 1 to {MAX_USER} characters")
+            req.user = user
+        given = parsed_body.priority
         if given is not None:
             try:
                 req.priority = parse_priority(given)
@@ -315,6 +323,7 @@ def _metrics(job) -> dict[str, Any]:
     return {
         "job_id": job.id,
         "line": job.line_no,
+        "user": job.user,
         "status": job.status,
         "attempts": job.attempts,
         "worker": job.worker,

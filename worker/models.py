@@ -76,6 +76,7 @@ class Job(Base):
     attempts_forgiven: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     queue: Mapped[str | None] = mapped_column(String(255))  # the Redis queue its messages go to
     priority: Mapped[int | None]  # lower is more urgent (worker.lanes); None is the bulk lane's
+    user: Mapped[str | None] = mapped_column(NulSafeString(255))  # OpenAI's end-user id, as given
     worker: Mapped[str | None] = mapped_column(String(255))
     device: Mapped[str | None] = mapped_column(String(64))
     # results

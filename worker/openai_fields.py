@@ -20,6 +20,8 @@ BOTH: tuple[Endpoint, ...] = ("chat", "completions")
 
 #: Fields the body models read themselves (not sampling parameters).
 BODY_FIELDS = frozenset({"messages", "prompt", "model"})
+#: Honoured fields that belong to the job, not to ``SamplingParams`` (the batch reader keeps them).
+JOB_FIELDS = frozenset({"user", "priority"})
 
 
 def _absent(value: Any, _endpoint: Endpoint) -> bool:
@@ -104,8 +106,8 @@ _RULES = [
     FieldRule("ignore_eos", BOTH, V, "honoured", "generate past EOS up to max_tokens"),
     FieldRule("min_tokens", BOTH, V, "honoured", "EOS and stop tokens are banned until a sample has this many tokens"),
     FieldRule("skip_special_tokens", BOTH, V, "honoured", "drop special tokens from the text"),
+    FieldRule("user", BOTH, OV, "honoured", "OpenAI's end-user id (1-255 characters): stored with the job and returned as specbatch.user in its output line; it does not change caching or routing"),
     # -- accepted and ignored -----------------------------------------------------------
-    FieldRule("user", BOTH, OV, "ignored", "OpenAI's end-user id for abuse monitoring and cache routing; there is no monitoring here and the prefix cache serves every line"),
     FieldRule("safety_identifier", CHAT, O, "ignored", "OpenAI's abuse-monitoring id; there is no monitoring here"),
     FieldRule("metadata", CHAT, O, "ignored", "tags for OpenAI's stored completions; results are kept in specbatch's store by job"),
     FieldRule("store", CHAT, O, "ignored", "OpenAI's stored completions; every result is kept in specbatch's store anyway"),
@@ -195,7 +197,7 @@ def sampling_fields(extra: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]
         error = rule.error(value, endpoint)
         if error is not None:
             raise FieldError(name, error)
-        if rule.status == "honoured":
+        if rule.status == "honoured" and name not in JOB_FIELDS:
             honoured[name] = value
     return honoured
 

@@ -584,6 +584,7 @@ def job_row(
     finished_at: float | None = None,
     queue: str | None = None,
     priority: int | None = None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     """A complete ``jobs`` row as a dict (every row of a bulk insert has the same keys)."""
     return {
@@ -602,6 +603,7 @@ def job_row(
         "attempts_forgiven": 0,
         "queue": queue,
         "priority": priority,
+        "user": user,
         "enqueued_at": enqueued_at if enqueued_at is not None else time.time(),
         "published_at": enqueued_at if enqueued_at is not None else time.time(),
         "error": error,

@@ -80,7 +80,7 @@ def _job(**kw):
                 num_output_tokens=2, num_cached_tokens=0, num_draft_tokens=0, num_accepted_tokens=0,
                 error=None, error_type=None, attempts=1, worker="w", device="cpu", queue_wait_s=0.1,
                 ttft_s=0.2, tpot_s=0.01, tokens_per_s=50.0, enqueued_at=1.0, started_at=1.1,
-                first_token_at=1.3, finished_at=1.4, max_batch_size=3)
+                first_token_at=1.3, finished_at=1.4, max_batch_size=3, user=None)
     base.update(kw)
     return SimpleNamespace(**base)
 

@@ -153,3 +153,19 @@ def test_an_interactive_job_behind_2000_bulk_jobs_starts_within_one_engine_step(
         client.cancel(bulk.batch_id)
         worker.stop(timeout=20)
         redis.Redis.from_url(redis_url).delete(*lane_queues(unique_queue))
+
+
+def test_a_lines_user_is_stored_and_returned(producer):
+    from worker.formats import output_line
+
+    sub = producer.submit_batch([
+        {"custom_id": "u", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "user": "user-1234"}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "user": 42}},
+    ])
+    (job,) = producer.store.jobs(sub.batch_id, statuses=(QUEUED,))
+    assert job.user == "user-1234" and output_line(job)["specbatch"]["user"] == "user-1234"
+    assert [b.message for b in sub.bad_lines] == ["line 2: user: must be a string of 1 to 255 characters"]
+    single = producer.submit("hello", user="svc-7")
+    assert producer.store.get_job(single).user == "svc-7"

@@ -116,7 +116,7 @@ def completion(cid="c", **body):
 
 ACCEPTED = {  # accepted and ignored: the line parses and its params are the plain defaults
     "metadata": {"topic": "x"}, "store": True, "service_tier": "flex", "stream": False, "modalities": ["text"],
-    "reasoning_effort": "high", "user": "u-1", "safety_identifier": "s", "prompt_cache_key": "k",
+    "reasoning_effort": "high", "safety_identifier": "s", "prompt_cache_key": "k",
     "verbosity": "low", "parallel_tool_calls": True, "tool_choice": "none", "request_id": "r",
     "response_format": {"type": "text"}, "tools": [], "echo": False, "best_of": 1,
 }
@@ -369,7 +369,7 @@ def test_error_param_reads_the_field_back():
                           error_type="generation_error", attempts=1, worker="w", device="cpu", queue_wait_s=None,
                           ttft_s=None, tpot_s=None, tokens_per_s=None, enqueued_at=1.0, started_at=None,
                           first_token_at=None, finished_at=2.0, num_cached_tokens=None, num_draft_tokens=None,
-                          num_accepted_tokens=None, max_batch_size=None)
+                          num_accepted_tokens=None, max_batch_size=None, user=None)
     line = output_line(job)
     assert line["response"] is None and line["error"] == {"code": "generation_error", "message": "line 2: model step failed: boom"}
     assert isinstance(validate_line(line, None), BatchError)
