@@ -74,6 +74,15 @@ class LaneGovernor(bootsteps.StartStopStep):
         return count
 
     def check(self, pending: Any = None) -> None:
+        """Pause or resume the bulk lane. Never raises: it runs inside the consumer's event loop
+        (a timer or a message callback), where an exception would stop the worker; with the
+        broker away it does nothing, and Celery's reconnect starts every queue afresh."""
+        try:
+            self._check(pending)
+        except Exception as exc:
+            log.debug("lane governor skipped a check: %r", exc)
+
+    def _check(self, pending: Any = None) -> None:
         c = self.consumer
         task_consumer = getattr(c, "task_consumer", None)
         if task_consumer is None:
@@ -88,9 +97,9 @@ class LaneGovernor(bootsteps.StartStopStep):
                 task_consumer.cancel_by_queue(queue.name)
             log.debug("bulk lane paused: %d bulk messages held (cap %d)", held, self.cap)
         elif held < self.cap and self.paused and not getattr(c, "_specbatch_draining", False):
-            for queue in self.paused.values():
+            for name, queue in list(self.paused.items()):
                 task_consumer.add_queue(queue)
-            self.paused.clear()
+                del self.paused[name]
             task_consumer.consume()
             log.debug("bulk lane resumed: %d bulk messages held (cap %d)", held, self.cap)
 
