@@ -14,13 +14,13 @@ from typing import Any
 
 from engine.sampling_params import SEED_MAX, SamplingParams
 
-from .openai_fields import BODY_FIELDS, RULES, Endpoint
+from .openai_fields import BODY_FIELDS, JOB_FIELDS, RULES, Endpoint
 
 #: OpenAI body fields that become ``SamplingParams`` (vLLM's extensions included), as
 #: ``openai_fields`` classifies them; ``max_completion_tokens`` is OpenAI's newer name for
 #: ``max_tokens``, and chat's ``logprobs``/``top_logprobs`` map onto ``SamplingParams.logprobs``.
 OPENAI_SAMPLING_FIELDS = frozenset(
-    name for name, rule in RULES.items() if rule.status == "honoured" and name not in BODY_FIELDS
+    name for name, rule in RULES.items() if rule.status == "honoured" and name not in BODY_FIELDS | JOB_FIELDS
 )
 
 

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 EXIT_ENGINE_BUILD_FAILED = 3
 EXIT_ENGINE_DIED = 4
 EXIT_STORE_UNREACHABLE = 5
+EXIT_STOP_HUNG = 6  # a stop (e.g. Celery's "Unrecoverable error" after a broker loss) never finished
 
 
 def pin_device(device: str) -> tuple[str, str]:
@@ -227,6 +228,24 @@ def _exit(code: int, why: str) -> None:
     os._exit(code)
 
 
+def _arm_stop_watchdog(controller: Any) -> None:
+    """Make every stop of the worker end the process: if it has not exited ``DRAIN_TIMEOUT`` +
+    60 s after Celery began stopping, leave non-zero so the supervisor restarts it. (Seen: a
+    Redis killed mid-reconnect raised inside kombu, Celery logged "Unrecoverable error" and its
+    stop then hung, leaving a live process that served nothing.)"""
+    original = controller.stop
+
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        def force_exit() -> None:
+            time.sleep(drain_timeout() + 60.0)
+            _exit(EXIT_STOP_HUNG, "the worker's stop did not finish")
+
+        threading.Thread(target=force_exit, name="specbatch-stop-watchdog", daemon=True).start()
+        return original(*args, **kwargs)
+
+    controller.stop = stop
+
+
 @signals.worker_init.connect
 def _load_at_worker_start(sender=None, **_: Any) -> None:
     """Build the engine before the consumer starts; a worker that cannot serve never says
@@ -234,6 +253,8 @@ def _load_at_worker_start(sender=None, **_: Any) -> None:
     global _worker_name
     if env("LOAD_AT_START", "1") != "1":
         return
+    if sender is not None and hasattr(sender, "stop"):
+        _arm_stop_watchdog(sender)
     _worker_name = getattr(sender, "hostname", None) or worker_name(env("DEVICE", "cpu"))
     model = model_from_env()
     info = dict(host=socket.gethostname(), pid=os.getpid(), device=env("DEVICE", "cpu"),

@@ -133,7 +133,7 @@ def _submit_and_receive(broker_url: str, tmp_path: Path) -> dict:
     client = Client(broker_url=broker_url, database_url=f"sqlite:///{tmp_path / 'sb.db'}", model="tiny", queue=queue)
     job_id = client.submit("hello", params={"max_tokens": 3})
     with client.app.connection_for_read() as conn:
-        message = conn.SimpleQueue(queue).get(timeout=10)
+        message = conn.SimpleQueue(f"{queue}.interactive").get(timeout=10)  # one job rides the interactive lane
     assert message.content_type == "application/json"
     job, payload = message.payload[0]
     assert job == job_id and payload["prompt"] == "hello" and payload["params"]["max_tokens"] == 3
