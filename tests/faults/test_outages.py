@@ -60,7 +60,14 @@ def run_through_outage(settings: Settings, tmp_path, name: str, outage, after=la
         batch_id = client.submit_batch(rows(60, 40), name=name).batch_id
         wait_until(lambda: client.store.batch_counts(batch_id)[SUCCEEDED] >= 5, what="progress")
         outage()
-        counts = client.wait(batch_id, timeout=240)  # the producer's own polls live through it too
+        # The workers' supervisor (systemd, Kubernetes, compose) restarts a worker that exits:
+        # Celery may give up on a broker that vanished mid-reconnect ("Unrecoverable error").
+        deadline = time.monotonic() + 240
+        while (counts := client.store.batch_counts(batch_id))[QUEUED] + counts[RUNNING] and time.monotonic() < deadline:
+            for worker in group.all:
+                worker.keep_alive()
+            time.sleep(0.5)
+        counts = client.wait(batch_id, timeout=5)  # the producer's own polls live through it too
         assert counts[SUCCEEDED] == 60, counts
         after()
         logs = group.logs()
