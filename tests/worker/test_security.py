@@ -18,7 +18,7 @@ import redis
 from kombu import Connection, Exchange, Queue
 
 from tests.worker.redis_servers import free_port, make_certs, redis_binary, redis_server
-from worker.app import TASK_NAME, make_app
+from worker.app import make_app
 from worker.client import Client
 from worker.formats import output_line, write_jsonl
 from worker.store import Store
@@ -98,8 +98,11 @@ def test_a_pickled_task_message_is_refused_and_nothing_runs(redis_url, unique_qu
     app.conf.task_queues = [Queue(unique_queue, routing_key=unique_queue)]
     ran: list[str] = []
     done = threading.Event()
+    # A name of its own: worker.tasks' generate is a shared task, so an app made after another
+    # test imported it would otherwise run the real task instead of this one.
+    task_name = f"test.generate.{unique_queue}"
 
-    @app.task(name=TASK_NAME)
+    @app.task(name=task_name)
     def generate(job_id, payload):
         ran.append(job_id)
         done.set()
@@ -108,11 +111,11 @@ def test_a_pickled_task_message_is_refused_and_nothing_runs(redis_url, unique_qu
     queue = Queue(unique_queue, exchange, routing_key=unique_queue)
     with Connection(redis_url) as conn:
         producer = conn.Producer()
-        pickled = app.amqp.create_task_message("pickled-job", TASK_NAME, ("pickled-job", {}), {})
+        pickled = app.amqp.create_task_message("pickled-job", task_name, ("pickled-job", {}), {})
         producer.publish(pickle.dumps(pickled.body), serializer=None, content_type="application/x-python-serialize",
                          content_encoding="binary", headers=pickled.headers, routing_key=unique_queue,
                          exchange=exchange, declare=[queue], **pickled.properties)
-        good = app.amqp.create_task_message("json-job", TASK_NAME, ("json-job", {}), {})
+        good = app.amqp.create_task_message("json-job", task_name, ("json-job", {}), {})
         producer.publish(good.body, serializer="json", headers=good.headers, routing_key=unique_queue,
                          exchange=exchange, declare=[queue], **good.properties)
     try:
