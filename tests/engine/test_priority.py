@@ -9,8 +9,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
-from engine.sequence import SequenceStatus
 from tests.engine.fakes import make_seq
+from tests.engine.test_scheduler import step  # one simulated engine step
 
 INTERACTIVE, BULK = 0, 1
 
@@ -19,22 +19,6 @@ def prio_seq(tokens, request_id, priority):
     seq = make_seq(tokens, request_id)
     seq.request.priority = priority
     return seq
-
-
-def step(sched: Scheduler, max_out: int = 4):
-    """One simulated engine step (as in test_scheduler): computed catches up, sampled
-    sequences grow, finished ones leave."""
-    out = sched.schedule()
-    for item in out.scheduled:
-        seq = item.seq
-        samples = item.samples
-        seq.num_computed_tokens += item.num_new_tokens
-        if samples:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= max_out:
-                seq.status = SequenceStatus.FINISHED
-                sched.remove(seq)
-    return out
 
 
 def ids(out) -> list[str]:
