@@ -10,6 +10,7 @@ from engine.loop import EngineDied, EngineLoop, RequestHandle
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
+from engine.structured.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -23,4 +24,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
 ]

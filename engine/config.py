@@ -75,6 +75,12 @@ class EngineConfig:
     # On CUDA, decode-only steps replay a captured forward (CUDA graphs) for a fixed set of batch
     # sizes; anything else, any capture failure, and every CPU step run eagerly (no CPU capture yet).
     decode_capture: bool = True
+    # Structured output: a grammar not compiled this many seconds after its first request fails
+    # the requests waiting on it (engine.structured.compiler says why a limit is needed).
+    structured_outputs_timeout_s: float = 10.0
+    # Where a request's grammar admits a single continuation, propose its tokens as drafts
+    # (ahead of the speculative proposer's, or alone when speculation is off).
+    forced_token_drafts: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,5 +108,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.quantization is not None and self.device.type != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's quantized kernels)")
+        if not isinstance(self.structured_outputs_timeout_s, (int, float)) or not self.structured_outputs_timeout_s > 0:
+            raise ValueError(f"structured_outputs_timeout_s must be positive, got {self.structured_outputs_timeout_s!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

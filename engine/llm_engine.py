@@ -60,7 +60,7 @@ class LLMEngine:
             reserved_seqs=config.reserved_seqs, urgent_only_steps=config.urgent_only_steps,
         )
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.sampler = Sampler(self.eos_ids, kernel_backend(config.device))
+        self.sampler = Sampler(self.eos_ids, kernel_backend(config.device), self.vocab_size)
         self.recovery = StepRecovery(self.scheduler, self.block_manager)
         self.faults = Faults.from_env()  # test-only switches; inert unless SPECBATCH_FAULTS is set
         self._probed_last = False
@@ -69,6 +69,11 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.tokenizer, self.eos_ids, self.max_model_len, self._tokenizer_lock)
         # Token id -> (text, bytes) for logprobs; any thread (it takes the tokenizer lock).
         self.token_bytes = TokenBytes(self.tokenizer, self._tokenizer_lock)
+        # Structured output: the compiler (built on first use) and the requests waiting for
+        # their grammar, which join the scheduler once it is compiled.
+        self.grammar_compiler = None
+        self.waiting_for_grammar: dict[str, tuple[Request, Any]] = {}
+        self._forced_cache: dict[str, tuple[int, ...]] = {}
         self.speculator = None
         if config.speculative_config is not None:
             from engine.spec.speculator import Speculator
@@ -180,6 +185,8 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        spec = request.params.structured_outputs
+        compilation = self._compiler().submit(spec) if spec is not None else None
         for index in range(request.params.n):
             seq = Sequence(
                 request=request,
@@ -189,7 +196,10 @@ class LLMEngine:
                 logprobs=[] if request.params.logprobs is not None else None,
             )
             request.seqs.append(seq)
-            self.scheduler.add(seq)
+            if compilation is None:
+                self.scheduler.add(seq)
+        if compilation is not None:  # scheduled once its grammar is compiled (_admit_compiled)
+            self.waiting_for_grammar[request.request_id] = (request, compilation)
 
     def add_request(self, prompt: str | list[int] | None = None, **kwargs) -> str:
         request = self.make_request(prompt, **kwargs)
@@ -200,6 +210,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.waiting_for_grammar.pop(request_id, None)
         request.aborted = True
         for seq in request.seqs:
             if not seq.is_finished:
@@ -208,7 +219,67 @@ class LLMEngine:
         return request
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.recovery.has_work()
+        return self.scheduler.has_unfinished() or self.recovery.has_work() or bool(self.waiting_for_grammar)
+
+    # ------------------------------------------------------- structured output
+    def _compiler(self):
+        if self.grammar_compiler is None:
+            from engine.structured.compiler import GrammarCompiler
+
+            self.grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.vocab_size, self.eos_ids, self.config.structured_outputs_timeout_s,
+                tokenizer_lock=self._tokenizer_lock,
+            )
+        return self.grammar_compiler
+
+    def _admit_compiled(self, changed: dict[str, Request]) -> None:
+        """Requests whose grammar is compiled join the scheduler; those whose grammar failed
+        (or ran out of time) fail alone. Waits a little when nothing else could run."""
+        if not self.waiting_for_grammar:
+            return
+        if not self.scheduler.has_unfinished() and not self.recovery.has_work():
+            entries = [c for _r, c in self.waiting_for_grammar.values()]
+            soonest = min(c.deadline for c in entries) - time.monotonic()
+            entries[0].done.wait(timeout=max(0.0, min(0.02, soonest)))
+        from engine.structured.state import GrammarState
+
+        for request_id, (request, compilation) in list(self.waiting_for_grammar.items()):
+            if not compilation.poll():
+                continue
+            del self.waiting_for_grammar[request_id]
+            if compilation.failed:
+                self._fail(request, compilation.error, changed)
+                continue
+            self._ensure_forced_drafter()
+            words = -(-self.vocab_size // 32)
+            for seq in request.seqs:
+                seq.grammar = GrammarState(compilation.compiled, self._encode_forced, self.eos_ids, words)
+                self.scheduler.add(seq)
+
+    def _encode_forced(self, text: str) -> tuple[int, ...]:
+        """Token ids of a grammar's forced text (loop thread: the stop checker's private
+        tokenizer). Memoised: a schema's forced texts (``", "age": ``) recur in every record."""
+        cache = self._forced_cache
+        tokens = cache.get(text)
+        if tokens is None:
+            checker = self.stop_checker
+            with checker._lock:
+                tokens = tuple(checker.tokenizer.encode(text, add_special_tokens=False))
+            if len(cache) >= 4096:
+                cache.pop(next(iter(cache)))
+            cache[text] = tokens
+        return tokens
+
+    def _ensure_forced_drafter(self) -> None:
+        """Forced-token drafting needs the verifier: without speculation configured, a
+        speculator whose proposer proposes nothing carries the grammar's forced tokens alone."""
+        if self.speculator is not None or not self.config.forced_token_drafts:
+            return
+        from engine.spec.config import SpeculativeConfig
+        from engine.spec.proposer import NullProposer
+        from engine.spec.speculator import Speculator
+
+        self.speculator = Speculator(SpeculativeConfig(method="ngram"), self, proposer=NullProposer())
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[Request]:
@@ -217,11 +288,12 @@ class LLMEngine:
         A step that raises fails none of its requests outright: they are recomputed and probed
         one at a time (``StepRecovery``), so only a request that fails alone ends in error.
         """
+        changed: dict[str, Request] = {}
+        self._admit_compiled(changed)
         recovery = self.recovery
         probe = recovery.has_work() and (recovery.probing is not None or not self._probed_last)
         sched = recovery.schedule_probe() if probe else self.scheduler.schedule()
         self._probed_last = probe
-        changed: dict[str, Request] = {}
         for seq, message in sched.failed:
             self._fail(seq.request, message, changed)
         if not sched.scheduled:
@@ -306,13 +378,21 @@ class LLMEngine:
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> None:
         metrics = seq.request.metrics
         now = time.time()
+        grammar = seq.grammar
         for token in tokens:
+            if grammar is not None and not grammar.commit(token):
+                # Cannot happen with the mask applied to every sampled row; never emit such a token.
+                raise RuntimeError(f"token {token} is refused by the request's grammar")
             finished = self.stop_checker.append(seq, token)
             metrics.num_output_tokens += 1
             self.stats["sampled_tokens"] += 1
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
+            if grammar is not None and not (finished and seq.finish_reason == "stop") and grammar.must_stop():
+                # The record is complete and only a stop token may follow: end here (even at the
+                # max_tokens limit, which then did not cut anything).
+                seq.finish_reason, seq.stop_reason, finished = "stop", None, True
             if finished:
                 self._finish(seq, seq.finish_reason)
                 break

@@ -150,20 +150,42 @@ def filter_and_normalise(logits: torch.Tensor, rows: list[SampleRow]) -> torch.T
 
 
 class Sampler:
-    def __init__(self, eos_ids: set[int], backend: str = "torch") -> None:
+    def __init__(self, eos_ids: set[int], backend: str = "torch", vocab_size: int | None = None) -> None:
         self.eos_ids = eos_ids
         self.backend = backend  # kernels' backend for the sampling step (Triton on CUDA)
+        self.vocab_size = vocab_size  # the grammar masks' width (the target's vocabulary)
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Logits after penalties, logit bias and min-token bans: what greedy takes the argmax
-        of, and what every sampled distribution (plain, verification, drafts) starts from."""
+        """Logits after penalties, logit bias, min-token bans and the grammar's mask: what greedy
+        takes the argmax of, and what every sampled distribution (plain, verification, drafts)
+        starts from."""
         params = [row.seq.params for row in rows]
-        if any(p.needs_penalties or p.min_tokens or p.logit_bias for p in params):
+        biased = any(p.needs_penalties or p.min_tokens or p.logit_bias for p in params)
+        constrained = any(row.seq.grammar is not None for row in rows)
+        if biased or constrained:
+            raw = logits
             logits = logits.clone()
-            apply_penalties(logits, rows)
-            apply_logit_bias(logits, rows)
-            apply_min_tokens(logits, rows, self.eos_ids)
+            if biased:
+                apply_penalties(logits, rows)
+                apply_logit_bias(logits, rows)
+                apply_min_tokens(logits, rows, self.eos_ids)
+            if constrained:
+                self._apply_grammar(logits, raw, rows, biased)
         return logits
+
+    def _apply_grammar(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow], biased: bool) -> None:
+        """The grammar's mask, last: a row left with no candidate (a bias or min-tokens ban
+        against everything the grammar admits) falls back to the grammar alone."""
+        from engine.structured.mask import apply_grammar_mask
+
+        words = -(-(self.vocab_size or raw.shape[1]) // 32)
+        apply_grammar_mask(logits, rows, words)
+        if biased:
+            dead = torch.isneginf(logits).all(-1).nonzero().flatten().tolist()
+            if dead:
+                fallback = raw[dead].clone()
+                apply_grammar_mask(fallback, [rows[r] for r in dead], words)
+                logits[dead] = fallback
 
     def target_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The exact sampling distribution of each row (rows of greedy requests are one-hot)."""

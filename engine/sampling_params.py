@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.structured.params import StructuredOutputsParams
+
 #: A line without a limit may generate this many tokens (clamped to the context left after the
 #: prompt). Long enough that a typical answer ends by EOS, bounded so a model stuck in a loop
 #: costs at most this much per sample instead of the whole context.
@@ -71,6 +73,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> bias added to its logit before sampling; JSON's string keys are accepted.
     logit_bias: dict[int, float] | None = None
+    # What the output must match (JSON schema, regex, choice, EBNF): vLLM's structured_outputs;
+    # a dict of its fields is accepted (JSON).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +134,7 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {_short(self.logprobs)}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -152,10 +158,13 @@ class SamplingParams:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``logit_bias`` keys become strings, as JSON stores them anyway."""
+        """JSON-ready: ``logit_bias`` keys become strings, as JSON stores them anyway, and
+        ``structured_outputs`` a dict of its fields."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.logit_bias is not None:
             data["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        if self.structured_outputs is not None:
+            data["structured_outputs"] = self.structured_outputs.to_dict()
         return data
 
 

@@ -11,10 +11,15 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.state import GrammarState
 
 _seq_counter = itertools.count()
 _request_counter = itertools.count()
@@ -53,6 +58,10 @@ class Sequence:
     # Speculation bookkeeping (adaptive k per sequence).
     spec_k: int = 0
     spec_alpha: float = 0.7
+    # Structured output: the sample's grammar state (committed tokens only), and how many of
+    # its current drafts are the grammar's forced tokens (they lead the drafts).
+    grammar: "GrammarState | None" = None
+    num_forced_drafts: int = 0
 
     @property
     def params(self) -> SamplingParams:

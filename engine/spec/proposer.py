@@ -33,3 +33,13 @@ class Proposer(Protocol):
     def finished(self, seq: Sequence) -> None:
         """``seq`` has ended: drop (or archive) its per-sequence state."""
         ...
+
+
+class NullProposer:
+    """Proposes nothing: the speculator then carries only a grammar's forced tokens."""
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [EMPTY] * len(seqs)
+
+    def finished(self, seq: Sequence) -> None:
+        pass

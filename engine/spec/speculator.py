@@ -33,7 +33,13 @@ STAT_KEYS = (
     "spec_emitted_tokens",
     "spec_rejections",  # verifications that rejected a draft (per-token acceptance = A / (A + R))
     "spec_proposer_failures",
+    "spec_forced_tokens",  # drafts that were a grammar's forced tokens (structured output)
+    "spec_forced_accepted",
+    "spec_grammar_cut_tokens",  # proposer drafts dropped because the grammar refuses them
 )
+#: The acceptance forced-token drafts are costed with: the grammar admits nothing else, and only
+#: a tokenisation the model would not write (rare) is rejected.
+FORCED_ALPHA = 0.95
 PROBE_EVERY = 8  # a sequence held at k = 0 by low acceptance retries k = 1 this often
 # Where the expected gain is marginal (below CONTROL_BELOW), every CONTROL_EVERY-th step runs the
 # other way (plain if speculating, speculating if held off by measured cost), so the realized
@@ -129,7 +135,13 @@ class Speculator:
                 metrics = seq.request.metrics
                 metrics.num_draft_tokens += len(drafts)
                 metrics.num_accepted_tokens += num_accepted
-                self.acceptance.update(seq.seq_id, len(drafts), num_accepted)
+                forced = min(seq.num_forced_drafts, len(drafts))
+                seq.num_forced_drafts = 0
+                if forced:
+                    stats["spec_forced_tokens"] += forced
+                    stats["spec_forced_accepted"] += min(forced, num_accepted)
+                if len(drafts) > forced:  # the proposer's own drafts (after the forced ones)
+                    self.acceptance.update(seq.seq_id, len(drafts) - forced, max(0, num_accepted - forced))
                 stats["spec_draft_tokens"] += len(drafts)
                 stats["spec_accepted_tokens"] += num_accepted
                 stats["spec_rejections"] += int(rejected > 0)
@@ -236,24 +248,68 @@ class Speculator:
         for seq, k in zip(seqs, ks):
             seq.spec_k = k
             seq.spec_alpha = self.acceptance.alpha(seq.seq_id)
+        forced = self._forced(seqs)
         start = time.perf_counter()
         try:
             proposals = self.proposer.propose(seqs, ks)
         except Exception:  # a proposer failure fails nothing: this step runs without drafts
             log.exception("speculative proposer %r failed; this step runs without speculation", self.config.method)
             engine.stats["spec_proposer_failures"] = engine.stats.get("spec_proposer_failures", 0) + 1
-            return
+            proposals = [EMPTY] * len(seqs)
         seconds = time.perf_counter() - start
         proposed = 0
-        for seq, k, proposal in zip(seqs, ks, proposals):
+        for seq, k, proposal, fixed in zip(seqs, ks, proposals, forced):
             tokens = proposal.tokens[:k] if proposal is not EMPTY else []
+            probs = proposal.probs
+            if seq.grammar is not None:
+                tokens, probs = self._constrain(seq, tokens, probs, fixed)
             if not tokens:
                 continue
             seq.draft_token_ids = list(tokens)
-            seq.draft_probs = proposal.probs[: len(tokens)] if proposal.probs is not None else None
+            seq.draft_probs = probs[: len(tokens)] if probs is not None else None
             proposed += len(tokens)
         self.pending_proposer = (seconds, self._predicted_proposer(len(seqs), max(ks, default=0), proposed))
         self._observe_proposer(seconds, proposed)
+
+    def _forced(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each sequence's forced grammar tokens to draft (empty where none, or where the cost
+        model says verifying even near-certain drafts does not pay at this batch size)."""
+        if not self.engine.config.forced_token_drafts or not any(s.grammar is not None for s in seqs):
+            return [[] for _ in seqs]
+        k_max = self.config.k_max
+        if self.config.adaptive:
+            factor = self.realized.factor()
+            ratios = [1.0] + [max(1.0, r * factor) for r in self.step_ratios(len(seqs), k_max)[1:]]
+            k_forced = best_k_for_costs(FORCED_ALPHA, ratios, self.config.min_speedup)
+        else:
+            k_forced = k_max
+        out = []
+        for seq in seqs:
+            limit = min(k_forced, self._room(seq, k_max))
+            out.append(seq.grammar.forced_tokens(limit) if seq.grammar is not None and limit > 0 else [])
+        return out
+
+    def _constrain(self, seq: Sequence, tokens: list[int], probs, forced: list[int]):
+        """Drafts for a sequence with a grammar: its forced tokens first, the proposer's drafts
+        after them where they agree with the forced ones, all cut at the first refused token.
+
+        The proposer drafts from the committed context, so its drafts continue past the forced
+        ones only when they start with them (a suffix or n-gram match over earlier records of
+        the same schema usually does); otherwise its drafts would be rejected inside the forced
+        span anyway and the forced tokens go alone.
+        """
+        stats = self._stats()
+        if forced:
+            if tokens[: len(forced)] == forced and len(tokens) > len(forced):
+                pass  # the proposer agrees and continues past them: keep its drafts (and probs)
+            else:
+                tokens, probs = list(forced), None
+        allowed = seq.grammar.valid_prefix(tokens) if tokens else 0
+        if allowed < len(tokens):
+            stats["spec_grammar_cut_tokens"] += len(tokens) - allowed
+            tokens = tokens[:allowed]
+        seq.num_forced_drafts = min(len(forced), len(tokens))
+        return tokens, probs
 
     def _predicted_proposer(self, batch: int, k: int, proposed: int) -> float:
         """What the cost model expects the proposer to have cost for these drafts."""
