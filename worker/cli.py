@@ -188,13 +188,20 @@ def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
 @click.option("--wait", "wait_s", type=float, default=None, help="Wait up to this many seconds and print the result.")
 @click.option("--priority", default="interactive", show_default=True,
               help="Lane: interactive, bulk, or an integer (lower is more urgent).")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A JSON schema file: the output is a JSON value valid for it (checked again before success).")
 @click.pass_context
-def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s, priority):
+def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s, priority, json_schema):
     """Enqueue one job and print its id."""
     client = _client(ctx, model=model)
     # Only what was given: every default is SamplingParams' own (one request model).
     params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("seed", seed))
               if v is not None}
+    if json_schema is not None:
+        try:
+            params["structured_outputs"] = {"json": json.loads(Path(json_schema).read_text(encoding="utf-8"))}
+        except (OSError, ValueError) as exc:
+            raise click.UsageError(f"--json-schema {json_schema}: not a JSON file: {exc}") from None
     try:
         if chat:
             job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id,

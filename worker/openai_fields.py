@@ -41,10 +41,6 @@ def _text_only(value: Any, _endpoint: Endpoint) -> bool:
     return value is None or value == ["text"]
 
 
-def _text_format(value: Any, _endpoint: Endpoint) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _no_tool_choice(value: Any, _endpoint: Endpoint) -> bool:
     return value is None or value == "none"
 
@@ -79,7 +75,7 @@ class FieldRule:
 
 
 O, V, OV = "OpenAI", "vLLM", "OpenAI, vLLM"
-_GUIDED = "structured output is not supported yet (issue #13 adds it)"
+_GUIDED_OLD = "vLLM's older name of structured_outputs.{} (constrains the output; see response_format)"
 _RULES = [
     # -- the prompt ---------------------------------------------------------------------
     FieldRule("messages", CHAT, OV, "honoured", "rendered by the model's chat template; text content parts only (image, audio and file parts refuse the line)"),
@@ -132,9 +128,13 @@ _RULES = [
     FieldRule("length_penalty", BOTH, V, "ignored", "1 is accepted (it applies to beam search only); other values are refused", _one),
     FieldRule("best_of", BOTH, OV, "ignored", "1 is accepted; more is refused (ranking samples by logprob is not supported; use n)", _one),
     FieldRule("return_tokens_as_token_ids", BOTH, V, "ignored", "false is accepted; true is refused (logprobs give text and bytes)", _only(False)),
+    FieldRule("response_format", BOTH, OV, "honoured", '{"type": "json_schema", "json_schema": {"schema": ...}} constrains the output to the schema (xgrammar; compact JSON) and validates the result again (jsonschema) before the job succeeds; {"type": "json_object"}: any JSON object; {"type": "text"}: unconstrained. A schema that does not compile (or not within the worker\'s time limit) fails its job; output cut by max_tokens fails it as structured_output_incomplete (finish_reason length, text kept in the store)'),
+    FieldRule("guided_json", BOTH, V, "honoured", _GUIDED_OLD.format("json") + "; validated again like response_format"),
+    FieldRule("guided_regex", BOTH, V, "honoured", _GUIDED_OLD.format("regex") + "; the whole output must match it"),
+    FieldRule("guided_choice", BOTH, V, "honoured", _GUIDED_OLD.format("choice") + "; the output is one of the strings"),
+    FieldRule("guided_grammar", BOTH, V, "honoured", _GUIDED_OLD.format("grammar") + "; EBNF in xgrammar's dialect (GBNF-like), not Lark"),
     FieldRule("priority", BOTH, V, "honoured", "vLLM's request priority (lower is served first) or a lane name, interactive (0) or bulk (1); <= 0 rides the interactive lane; absent: the batch's (bulk unless --priority says otherwise)"),
     # -- refused (an absent, null or empty value is accepted) ---------------------------
-    FieldRule("response_format", BOTH, OV, "refused", '{"type": "text"} is accepted; ' + _GUIDED, _text_format),
     FieldRule("tools", CHAT, OV, "refused", "tool calling is not supported yet"),
     FieldRule("functions", CHAT, O, "refused", "function calling is not supported yet"),
     FieldRule("function_call", CHAT, O, "refused", "function calling is not supported yet"),
@@ -153,13 +153,9 @@ _RULES = [
     FieldRule("chat_template", CHAT, V, "refused", "the model's own chat template is always used"),
     FieldRule("chat_template_kwargs", CHAT, V, "refused", "the chat template is not given extra arguments"),
     FieldRule("mm_processor_kwargs", CHAT, V, "refused", "multimodal input is not supported"),
-    FieldRule("guided_json", BOTH, V, "refused", _GUIDED),
-    FieldRule("guided_regex", BOTH, V, "refused", _GUIDED),
-    FieldRule("guided_choice", BOTH, V, "refused", _GUIDED),
-    FieldRule("guided_grammar", BOTH, V, "refused", _GUIDED),
-    FieldRule("structural_tag", CHAT, V, "refused", _GUIDED),
-    FieldRule("guided_decoding_backend", BOTH, V, "refused", _GUIDED),
-    FieldRule("guided_whitespace_pattern", BOTH, V, "refused", _GUIDED),
+    FieldRule("structural_tag", CHAT, V, "refused", "structural tags (tool-call formats) are not supported; response_format and guided_* are"),
+    FieldRule("guided_decoding_backend", BOTH, V, "refused", "the grammar backend is always xgrammar"),
+    FieldRule("guided_whitespace_pattern", BOTH, V, "refused", "JSON is generated compact (json.dumps separators); a custom whitespace pattern is not supported"),
     FieldRule("logits_processors", BOTH, V, "refused", "no user code runs in the workers"),
     FieldRule("cache_salt", BOTH, V, "refused", "prefix-cache salting is not passed through batch lines yet"),
     FieldRule("kv_transfer_params", BOTH, V, "refused", "disaggregated serving is not supported"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.sampling_params import SEED_MAX, SamplingParams
+from engine.structured.params import StructuredOutputsParams
 
 from .openai_fields import BODY_FIELDS, JOB_FIELDS, RULES, Endpoint
 
@@ -34,6 +35,7 @@ def openai_sampling_params(fields: dict[str, Any], *, endpoint: Endpoint | None 
     that number itself.
     """
     given = {k: v for k, v in fields.items() if v is not None}
+    _structured_outputs(given)
     if endpoint == "chat":
         _chat_logprobs(given)
     elif "top_logprobs" in given:
@@ -53,6 +55,51 @@ def openai_sampling_params(fields: dict[str, Any], *, endpoint: Endpoint | None 
         if newer is not None and str(exc).startswith("max_tokens"):
             raise ValueError(f"max_completion_tokens: {exc}") from None
         raise
+
+
+#: vLLM's older body fields for structured output -> ``StructuredOutputsParams`` fields.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_outputs(given: dict[str, Any]) -> None:
+    """OpenAI's ``response_format`` and vLLM's ``guided_*`` -> ``structured_outputs``, in place."""
+    specs: list[tuple[str, dict[str, Any]]] = []
+    response_format = given.pop("response_format", None)
+    if response_format is not None:
+        spec = response_format_spec(response_format)
+        if spec is not None:
+            specs.append(("response_format", spec))
+    for name, field in GUIDED.items():
+        if name in given:
+            specs.append((name, {field: given.pop(name)}))
+    if len(specs) > 1:
+        raise ValueError(f"{specs[1][0]}: give one structured output constraint, not {specs[0][0]} and {specs[1][0]}")
+    if specs:
+        name, spec = specs[0]
+        try:
+            given["structured_outputs"] = StructuredOutputsParams.from_any(spec)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+
+def response_format_spec(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as ``structured_outputs`` fields (None for plain text)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"response_format must be an object, got {_brief(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        body = value.get("json_schema")
+        if not isinstance(body, dict):
+            raise ValueError('response_format: "json_schema" must be an object with the schema under "schema"')
+        schema = body.get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("response_format: json_schema.schema must be a JSON schema object")
+        return {"json": schema}
+    raise ValueError(f"response_format: type must be text, json_object or json_schema, got {_brief(kind)}")
 
 
 def _chat_logprobs(given: dict[str, Any]) -> None:

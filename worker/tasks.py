@@ -132,7 +132,8 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
         lost = heartbeat.untrack(job_id)
         rt.inflight.pop(job_id, None)
     aborted_because = aborted_because or lost
-    values = result_values(out, logprobs=req.params.logprobs, pieces=rt.loop.engine.token_bytes.pieces)
+    values = result_values(out, logprobs=req.params.logprobs, pieces=rt.loop.engine.token_bytes.pieces,
+                           structured=req.params.structured_outputs)
     if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
         return give_back(rt, store, job_id, attempt, payload, "drained: the worker is shutting down", forgive=True)
     if aborted_because is not None and values["status"] == SUCCEEDED:
@@ -146,11 +147,14 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
     return values["status"]
 
 
-def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None) -> dict[str, Any]:
+def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None,
+                  structured=None) -> dict[str, Any]:
     """Store columns from a finished ``RequestOutput``: text, tokens, timings, counts.
 
     ``outputs`` holds every sample when there are several or when logprobs were asked for
     (``logprobs`` alternatives per position, packed with ``pieces``: see ``worker.logprobs``).
+    ``structured`` (the request's ``StructuredOutputsParams``): a generated job succeeds only
+    if every sample is complete and valid (``worker.structured``).
     """
     m = out.metrics
     first = out.outputs[0] if out.outputs else None
@@ -163,7 +167,9 @@ def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = N
     values: dict[str, Any] = {
         "status": FAILED if error else SUCCEEDED,
         "error": error,
-        "error_type": "generation_error" if error else None,
+        # A grammar that does not compile is the request's fault, not the worker's.
+        "error_type": (None if not error else "invalid_request" if error.startswith("structured_outputs:")
+                       else "generation_error"),
         "output_text": first.text if first else None,
         "output_token_ids": list(first.token_ids) if first else None,
         "outputs": _samples(out, logprobs, pieces),
@@ -184,6 +190,12 @@ def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = N
         "max_batch_size": m.max_batch_size,
         "num_waiting_steps": m.num_waiting_steps,
     }
+    if structured is not None and values["status"] == SUCCEEDED and first.finish_reason != "abort":
+        from .structured import check_samples
+
+        problem = check_samples(structured, [(c.text, c.finish_reason, len(c.token_ids)) for c in out.outputs])
+        if problem is not None:
+            values.update(status=FAILED, error_type=problem[0], error=problem[1])
     return values
 
 

@@ -36,7 +36,7 @@ class StructuredOutputsParams:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs: give exactly one of json, json_object, regex, choice or grammar"
+                "structured_outputs needs exactly one of json, json_object, regex, choice or grammar"
                 + (f" (got {', '.join(given)})" if given else "")
             )
         if self.json is not None:
@@ -45,25 +45,29 @@ class StructuredOutputsParams:
                 try:
                     schema = json.loads(schema)
                 except ValueError as exc:
-                    raise ValueError(f"structured_outputs.json: not valid JSON text: {exc}") from None
+                    raise ValueError(f"structured_outputs json is not valid JSON text: {exc}") from None
             if not isinstance(schema, dict):
-                raise ValueError(f"structured_outputs.json: a JSON schema must be an object, got {type(schema).__name__}")
+                raise ValueError(f"structured_outputs json must be a JSON schema object, got {type(schema).__name__}")
+            try:
+                json.dumps(schema, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"structured_outputs json must be plain JSON: {str(exc)[:80]}") from None
             object.__setattr__(self, "json", schema)
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+            raise ValueError(f"structured_outputs json_object must be true, got {str(self.json_object)[:40]}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+                raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", list(self.choice))
         if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.disable_any_whitespace must be true or false")
+            raise ValueError("structured_outputs disable_any_whitespace must be true or false")
         if len(self.source()) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs: the {self.kind} is over {MAX_SPEC_CHARS} characters")
+            raise ValueError(f"structured_outputs {self.kind} is over {MAX_SPEC_CHARS} characters")
 
     @property
     def kind(self) -> str:
@@ -100,6 +104,6 @@ class StructuredOutputsParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k)[:40] for k in value if k not in known)
         if unknown:
-            raise ValueError(f"structured_outputs: unsupported field(s): {', '.join(unknown)} "
+            raise ValueError(f"structured_outputs has unsupported field(s): {', '.join(unknown)} "
                              f"(supported: {', '.join(sorted(known))})")
         return cls(**value)

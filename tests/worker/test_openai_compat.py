@@ -123,8 +123,8 @@ ACCEPTED = {  # accepted and ignored: the line parses and its params are the pla
 REFUSED = {  # refused: the line is bad and the error names the field
     "stream": True, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "mp3"},
-    "response_format": {"type": "json_object"}, "functions": [{"name": "f"}], "prediction": {"type": "content", "content": "x"},
-    "stream_options": {"include_usage": True}, "guided_json": {"type": "object"}, "echo": True, "best_of": 3,
+    "functions": [{"name": "f"}], "prediction": {"type": "content", "content": "x"},
+    "stream_options": {"include_usage": True}, "guided_decoding_backend": "outlines", "echo": True, "best_of": 3,
     "use_beam_search": True, "logits_processors": ["x.y"], "cache_salt": "s",
     "web_search_options": {"search_context_size": "low"}, "prompt_logprobs": 1,
 }
