@@ -159,9 +159,14 @@ class Sampler:
         """Logits after penalties, logit bias, min-token bans and the grammar's mask: what greedy
         takes the argmax of, and what every sampled distribution (plain, verification, drafts)
         starts from."""
+        return self._processed(logits, rows)[0]
+
+    def _processed(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, dict[int, int]]:
+        """``processed_logits`` and ``{row: token}`` for rows a grammar forces to one token."""
         params = [row.seq.params for row in rows]
         biased = any(p.needs_penalties or p.min_tokens or p.logit_bias for p in params)
         constrained = any(row.seq.grammar is not None for row in rows)
+        forced: dict[int, int] = {}
         if biased or constrained:
             raw = logits
             logits = logits.clone()
@@ -170,22 +175,24 @@ class Sampler:
                 apply_logit_bias(logits, rows)
                 apply_min_tokens(logits, rows, self.eos_ids)
             if constrained:
-                self._apply_grammar(logits, raw, rows, biased)
-        return logits
+                forced = self._apply_grammar(logits, raw, rows, biased)
+        return logits, forced
 
-    def _apply_grammar(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow], biased: bool) -> None:
+    def _apply_grammar(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow],
+                       biased: bool) -> dict[int, int]:
         """The grammar's mask, last: a row left with no candidate (a bias or min-tokens ban
         against everything the grammar admits) falls back to the grammar alone."""
         from engine.structured.mask import apply_grammar_mask
 
         words = -(-(self.vocab_size or raw.shape[1]) // 32)
-        apply_grammar_mask(logits, rows, words)
+        forced = apply_grammar_mask(logits, rows, words)
         if biased:
             dead = torch.isneginf(logits).all(-1).nonzero().flatten().tolist()
             if dead:
                 fallback = raw[dead].clone()
                 apply_grammar_mask(fallback, [rows[r] for r in dead], words)
                 logits[dead] = fallback
+        return forced
 
     def target_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The exact sampling distribution of each row (rows of greedy requests are one-hot)."""
@@ -199,10 +206,13 @@ class Sampler:
         return probs
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-        """One token per row: greedy rows the processed argmax, others the coupled draw."""
-        processed = self.processed_logits(logits, rows)
+        """One token per row: greedy and grammar-forced rows the processed argmax, others the
+        coupled draw."""
+        processed, forced = self._processed(logits, rows)
         tokens = processed.argmax(-1).tolist()
-        random_rows = [r for r, row in enumerate(rows) if not row.seq.params.greedy]
+        # A forced row is one-hot: its draw is decided, so its noise over the vocabulary is not
+        # computed (the token is the one any noise would give).
+        random_rows = [r for r, row in enumerate(rows) if not row.seq.params.greedy and r not in forced]
         if random_rows:
             sub = [rows[r] for r in random_rows]
             idx = torch.tensor(random_rows, device=logits.device)

@@ -31,9 +31,11 @@ def grammar_rows(rows) -> list[int]:
     return [r for r, row in enumerate(rows) if row.seq.grammar is not None]
 
 
-def fill_bitmask(rows, indices: list[int], words: int) -> torch.Tensor:
-    """Bitmask ``[len(rows), words]`` with every grammar row's mask (other rows all ones)."""
+def fill_bitmask(rows, indices: list[int], words: int) -> tuple[torch.Tensor, dict[int, int]]:
+    """Bitmask ``[len(rows), words]`` with every grammar row's mask (other rows all ones), and
+    ``{row: token}`` for the rows the grammar forces to one token."""
     bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    forced_rows: dict[int, int] = {}
     by_seq: dict[int, tuple[Sequence, list[int]]] = {}
     for r in indices:
         seq = rows[r].seq
@@ -67,19 +69,21 @@ def fill_bitmask(rows, indices: list[int], words: int) -> torch.Tensor:
                 else:  # one admitted token: forced rows are one-hot whatever the noise
                     bitmask[r] = 0
                     bitmask[r, forced // 32] = _bit(forced % 32)
+                    forced_rows[r] = forced
         finally:
             state.pop(len(pushed))
-    return bitmask
+    return bitmask, forced_rows
 
 
-def apply_grammar_mask(logits: torch.Tensor, rows, words: int) -> None:
-    """Mask, in place, every row whose sequence has a grammar (a no-op when none has)."""
+def apply_grammar_mask(logits: torch.Tensor, rows, words: int) -> dict[int, int]:
+    """Mask, in place, every row whose sequence has a grammar (a no-op when none has); return
+    the forced rows' tokens (their sampling is decided: the sampler skips their noise)."""
     indices = grammar_rows(rows)
     if not indices:
-        return
+        return {}
     import xgrammar as xgr
 
-    bitmask = fill_bitmask(rows, indices, words)
+    bitmask, forced = fill_bitmask(rows, indices, words)
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     vocab = min(logits.shape[1], words * 32)
@@ -93,3 +97,4 @@ def apply_grammar_mask(logits: torch.Tensor, rows, words: int) -> None:
         logits[idx, :vocab] = logits[idx, :vocab].masked_fill(~allowed, float("-inf"))
     if logits.shape[1] > vocab:  # ids past the grammar's vocabulary are never admitted
         logits[torch.tensor(indices, device=logits.device), vocab:] = float("-inf")
+    return forced

@@ -1,0 +1,131 @@
+"""Structured output on the real SmolLM2-135M-Instruct (issue #13).
+
+Every sampled record parses and validates, with and without speculation; forced-token drafting
+changes no greedy output; a grammar that does not compile, or not in time, fails its own request
+while the others in the same batch succeed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+#: Nested: objects, an array, enums, integers and a number, every key required. Compact enough
+#: that a record is ~40 tokens, bounded so that no sample can run past max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "weight": {"type": "number", "minimum": 0, "maximum": 100},
+        "tags": {"type": "array", "items": {"enum": ["small", "big", "old", "new"]}, "maxItems": 2},
+        "pos": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                           "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["id", "name", "kind", "weight", "tags", "pos"],
+    "additionalProperties": False,
+}
+NUM_RECORDS = 200
+MAX_TOKENS = 96  # a record of SCHEMA is at most ~70 tokens
+NEAR_TIE = 1e-4
+
+
+def engine_like(smol_llm: LLM, **config) -> LLM:
+    """An engine of its own (config) sharing the session's loaded SmolLM2 weights."""
+    base = smol_llm.engine
+    engine_config = EngineConfig(model=base.config.model, device="cpu", max_num_seqs=64, **config)
+    return LLM.from_engine(LLMEngine(engine_config, model=base.model, tokenizer=base.tokenizer))
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_llm):
+    engine = smol_llm.engine
+    return [engine.apply_chat_template([{"role": "user", "content": f"Animal number {i}, as a JSON record."}])
+            for i in range(NUM_RECORDS)]
+
+
+def check_records(outputs) -> None:
+    for out in outputs:
+        assert out.error is None, out.error
+        sample = out.outputs[0]
+        assert sample.finish_reason == "stop", (sample.finish_reason, sample.text)
+        jsonschema.validate(json.loads(sample.text), SCHEMA)
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram"}, {"method": "suffix"}],
+                         ids=["no-speculation", "ngram", "suffix"])
+def test_sampled_records_all_parse_and_validate(smol_llm, prompts, speculative):
+    llm = engine_like(smol_llm, speculative_config=speculative)
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, structured_outputs={"json": SCHEMA})
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    check_records(outputs)  # 200 of 200
+    stats = llm.engine.stats
+    assert len({o.outputs[0].text for o in outputs}) > NUM_RECORDS // 2  # sampled, not one record
+    assert stats["spec_forced_tokens"] > 0 and stats["spec_forced_accepted"] == stats["spec_forced_tokens"]
+    if speculative is not None:
+        # The proposer's drafts were used too (after the forced ones, or alone).
+        assert stats["spec_draft_tokens"] > stats["spec_forced_tokens"]
+
+
+def test_greedy_is_the_same_with_and_without_forced_drafts(smol_llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs={"json": SCHEMA})
+    few = prompts[:16]
+    plain = engine_like(smol_llm, forced_token_drafts=False)
+    drafted = engine_like(smol_llm, forced_token_drafts=True, speculative_config={"method": "suffix"})
+    want = plain.generate(few, params, use_tqdm=False)
+    got = drafted.generate(few, params, use_tqdm=False)
+    assert "spec_forced_tokens" not in plain.engine.stats
+    assert drafted.engine.stats["spec_forced_accepted"] > 10 * len(few)
+    check_records(want)
+    for prompt, a, b in zip(few, want, got):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if ta == tb:
+            continue
+        # Only a near-tie may differ (batched verification sums in another order than decode).
+        at = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+        with torch.no_grad():
+            logits = smol_llm.engine.model(input_ids=torch.tensor([prompt + ta[:at]])).logits[0, -1]
+        top = logits.topk(2).values
+        assert float(top[0] - top[1]) < NEAR_TIE, (at, a.outputs[0].text, b.outputs[0].text)
+
+
+def test_a_grammar_that_fails_or_times_out_fails_alone(smol_llm, prompts):
+    llm = engine_like(smol_llm, structured_outputs_timeout_s=1.0)
+    # Bounded string lengths in many properties take xgrammar seconds to compile (~4 s here).
+    slow = {"type": "object", "required": [f"k{i}" for i in range(10)],
+            "properties": {f"k{i}": {"type": "string", "maxLength": 50 + i} for i in range(10)}}
+    good = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs={"json": SCHEMA})
+    params = [
+        good,
+        SamplingParams(max_tokens=8, structured_outputs={"json": {"type": "no-such-type"}}),
+        SamplingParams(max_tokens=8, structured_outputs={"json": slow}),
+        SamplingParams(max_tokens=8, structured_outputs={"regex": "(unclosed"}),
+        good,
+        SamplingParams(temperature=0, max_tokens=8),  # unconstrained, in the same batch
+    ]
+    outs = llm.generate(prompts[: len(params)], params, use_tqdm=False)
+    check_records([outs[0], outs[4]])
+    assert outs[5].error is None and len(outs[5].outputs[0].token_ids) == 8
+    assert outs[1].error.startswith("structured_outputs: the json does not compile"), outs[1].error
+    assert "no-such-type" in outs[1].error
+    assert "took longer than its 1 s limit" in outs[2].error, outs[2].error
+    assert outs[3].error.startswith("structured_outputs: the regex does not compile"), outs[3].error
+    for out in (outs[1], outs[2], outs[3]):
+        assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    # The failure is cached: the same slow schema fails at once, without compiling again.
+    again = llm.generate(prompts[:1], params[2], use_tqdm=False)[0]
+    assert "took longer" in again.error
