@@ -80,6 +80,8 @@ def engine_kwargs_from_env() -> dict[str, Any]:
         kwargs["quantization"] = env("QUANTIZATION")
     if env("SPECULATIVE"):
         kwargs["speculative_config"] = speculative_config(env("SPECULATIVE"), env("DRAFT_MODEL"))
+    if env("GRAMMAR_TIMEOUT"):  # seconds a structured-output grammar may take to compile
+        kwargs["structured_outputs_timeout_s"] = float(env("GRAMMAR_TIMEOUT"))
     if env("ENGINE_KWARGS"):  # escape hatch: a JSON object of extra LLM(...) keyword arguments
         kwargs.update(json.loads(env("ENGINE_KWARGS")))
     return kwargs
