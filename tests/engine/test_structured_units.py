@@ -139,3 +139,22 @@ def test_every_constraint_kind_is_honoured(flat_model_dir, spec, check):
     # Seeded: the same samples again, alone or in another batch.
     again = llm.generate(["other prompt", "hello there"], [SamplingParams(max_tokens=5), params], use_tqdm=False)[1]
     assert [s.token_ids for s in again.outputs] == [s.token_ids for s in out.outputs]
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "draft", "num_speculative_tokens": 3},  # the draft model samples under the mask too
+    {"method": "ngram", "num_speculative_tokens": 4, "acceptance": "rejection"},
+], ids=["draft-model", "ngram-rejection"])
+def test_constrained_under_every_verifier(flat_model_dir, speculative):
+    if speculative["method"] == "draft":
+        speculative = dict(speculative, draft_model=flat_model_dir)
+    llm = LLM(flat_model_dir, device="cpu", max_model_len=256, speculative_config=speculative)
+    spec = {"json": {"type": "object", "properties": {"a": {"enum": ["xy", "zw"]}, "b": {"type": "boolean"}},
+                     "required": ["a", "b"], "additionalProperties": False}}
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=5, n=3, structured_outputs=spec)
+    out = llm.generate(["some prompt"], params, use_tqdm=False)[0]
+    assert out.error is None
+    for sample in out.outputs:
+        record = json.loads(sample.text)
+        assert record["a"] in ("xy", "zw") and isinstance(record["b"], bool), sample.text
+    assert llm.engine.stats["spec_forced_accepted"] == llm.engine.stats["spec_forced_tokens"] > 0
