@@ -33,10 +33,16 @@ class NgramIndex:
                     table[tuple(tokens[i - n : i])] = i
         self.indexed = max(self.indexed, end)
 
-    def match(self, tokens: list[int]) -> tuple[int, int] | None:
-        """``(follow position, n)`` of the longest n-gram ending the context seen before, if any."""
+    def match(self, tokens: list[int], ahead: list[int] | None = None) -> tuple[int, int] | None:
+        """``(follow position, n)`` of the longest n-gram ending the context seen before, if any.
+
+        ``ahead``: tokens decided after ``tokens`` but not committed (a grammar's forced ones):
+        the n-gram ending them is looked up, and only ``tokens`` is indexed.
+        """
+        self.extend(tokens, len(tokens))
+        if ahead:
+            tokens = tokens + ahead
         length = len(tokens)
-        self.extend(tokens, length)
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
             pos = self.maps[n].get(tuple(tokens[length - n :]))
             if pos is not None:
@@ -55,21 +61,25 @@ def continuation(tokens: list[int], pos: int, k: int) -> list[int]:
 
 
 class NgramProposer:
+    supports_lookahead = True
+
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.indexes: dict[int, NgramIndex] = {}
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], ks: list[int], lookahead: list[list[int]] | None = None) -> list[Proposal]:
         out: list[Proposal] = []
-        for seq, k in zip(seqs, ks):
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 out.append(EMPTY)
                 continue
             index = self.indexes.get(seq.seq_id)
             if index is None:
                 index = self.indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max)
-            hit = index.match(seq.token_ids)
-            out.append(Proposal(continuation(seq.token_ids, hit[0], k)) if hit else EMPTY)
+            ahead = lookahead[i] if lookahead else None
+            hit = index.match(seq.token_ids, ahead)
+            context = seq.token_ids + ahead if ahead else seq.token_ids
+            out.append(Proposal(continuation(context, hit[0], k)) if hit else EMPTY)
         return out
 
     def finished(self, seq: Sequence) -> None:

@@ -27,7 +27,12 @@ EMPTY = Proposal([])
 
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Drafts for each decoding sequence; ``ks[i] == 0`` asks only to keep indexes current."""
+        """Drafts for each decoding sequence; ``ks[i] == 0`` asks only to keep indexes current.
+
+        A proposer with ``supports_lookahead = True`` also takes ``lookahead=`` (one token list
+        per sequence: tokens already decided after its committed ones, a grammar's forced
+        tokens) and drafts what follows them.
+        """
         ...
 
     def finished(self, seq: Sequence) -> None:
@@ -38,7 +43,9 @@ class Proposer(Protocol):
 class NullProposer:
     """Proposes nothing: the speculator then carries only a grammar's forced tokens."""
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    supports_lookahead = True
+
+    def propose(self, seqs: list[Sequence], ks: list[int], lookahead: list[list[int]] | None = None) -> list[Proposal]:
         return [EMPTY] * len(seqs)
 
     def finished(self, seq: Sequence) -> None:

@@ -18,7 +18,7 @@ from engine.sampler import SampleRow, noise_keys
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec.adaptive import Acceptance, RealizedCost, StepCost, best_k_for_costs, expected_tokens
 from engine.spec.calibration import DRAFT_LAYOUTS, TARGET_LAYOUTS, time_layouts
-from engine.spec.config import SpeculativeConfig
+from engine.spec.config import MAX_SPEC_TOKENS, SpeculativeConfig
 from engine.spec.proposer import EMPTY, Proposer
 from engine.spec.rejection import accept_prefix, sample_rejection
 from kernels.counter_rng import ACCEPT, RESAMPLE
@@ -249,9 +249,13 @@ class Speculator:
             seq.spec_k = k
             seq.spec_alpha = self.acceptance.alpha(seq.seq_id)
         forced = self._forced(seqs)
+        lookahead = getattr(self.proposer, "supports_lookahead", False) and any(forced)
         start = time.perf_counter()
         try:
-            proposals = self.proposer.propose(seqs, ks)
+            if lookahead:  # the proposer drafts what follows the forced tokens
+                proposals = self.proposer.propose(seqs, ks, lookahead=forced)
+            else:
+                proposals = self.proposer.propose(seqs, ks)
         except Exception:  # a proposer failure fails nothing: this step runs without drafts
             log.exception("speculative proposer %r failed; this step runs without speculation", self.config.method)
             engine.stats["spec_proposer_failures"] = engine.stats.get("spec_proposer_failures", 0) + 1
@@ -262,7 +266,7 @@ class Speculator:
             tokens = proposal.tokens[:k] if proposal is not EMPTY else []
             probs = proposal.probs
             if seq.grammar is not None:
-                tokens, probs = self._constrain(seq, tokens, probs, fixed)
+                tokens, probs = self._constrain(seq, tokens, probs, fixed, lookahead)
             if not tokens:
                 continue
             seq.draft_token_ids = list(tokens)
@@ -289,18 +293,22 @@ class Speculator:
             out.append(seq.grammar.forced_tokens(limit) if seq.grammar is not None and limit > 0 else [])
         return out
 
-    def _constrain(self, seq: Sequence, tokens: list[int], probs, forced: list[int]):
-        """Drafts for a sequence with a grammar: its forced tokens first, the proposer's drafts
-        after them where they agree with the forced ones, all cut at the first refused token.
+    def _constrain(self, seq: Sequence, tokens: list[int], probs, forced: list[int], lookahead: bool):
+        """Drafts for a sequence with a grammar: its forced tokens first, then the proposer's,
+        all cut at the first token the grammar refuses.
 
-        The proposer drafts from the committed context, so its drafts continue past the forced
-        ones only when they start with them (a suffix or n-gram match over earlier records of
-        the same schema usually does); otherwise its drafts would be rejected inside the forced
-        span anyway and the forced tokens go alone.
+        A proposer that takes a lookahead (ngram, suffix) drafted after the forced tokens, so its
+        drafts follow them. One that cannot (the draft model, which would have to run the forced
+        tokens through itself first) drafted from the committed context: its drafts are kept
+        past the forced ones only where they start with them; otherwise they would be rejected
+        inside the forced span anyway, and the forced tokens go alone.
         """
         stats = self._stats()
         if forced:
-            if tokens[: len(forced)] == forced and len(tokens) > len(forced):
+            if lookahead:
+                tokens = (list(forced) + list(tokens))[: max(len(forced), self._room(seq, MAX_SPEC_TOKENS))]
+                probs = None  # point masses (only the draft model has probabilities, and no lookahead)
+            elif tokens[: len(forced)] == forced and len(tokens) > len(forced):
                 pass  # the proposer agrees and continues past them: keep its drafts (and probs)
             else:
                 tokens, probs = list(forced), None

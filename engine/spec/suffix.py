@@ -185,26 +185,30 @@ class SuffixProposer:
             self.index.extend(seq.seq_id, seq.token_ids[done:end])
         self.inserted[seq.seq_id] = max(done, end)
 
-    def _local(self, seq: Sequence, k: int) -> tuple[int, list[int]]:
+    def _local(self, seq: Sequence, k: int, ahead: list[int] | None = None) -> tuple[int, list[int]]:
         index = self.local.get(seq.seq_id)
         if index is None:
             index = self.local[seq.seq_id] = NgramIndex(1, self.LOCAL_MAX_N)
-        hit = index.match(seq.token_ids)
+        hit = index.match(seq.token_ids, ahead)
         if hit is None:
             return 0, []
         pos, n = hit
-        return n, continuation(seq.token_ids, pos, min(k, max(1, int(n * self.spec_factor))))
+        context = seq.token_ids + ahead if ahead else seq.token_ids
+        return n, continuation(context, pos, min(k, max(1, int(n * self.spec_factor))))
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    supports_lookahead = True
+
+    def propose(self, seqs: list[Sequence], ks: list[int], lookahead: list[list[int]] | None = None) -> list[Proposal]:
         out: list[Proposal] = []
-        for seq, k in zip(seqs, ks):
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
             self._sync(seq, seq.num_tokens - 1)
             if k <= 0:
                 out.append(EMPTY)
                 continue
-            context = seq.token_ids
+            ahead = lookahead[i] if lookahead else None
+            context = seq.token_ids + ahead if ahead else seq.token_ids  # the indexes hold committed tokens only
             length, tokens = self.index.speculate_with_length(context, k, self.min_prob, self.spec_factor)
-            local_length, local_tokens = self._local(seq, k)
+            local_length, local_tokens = self._local(seq, k, ahead)
             if local_length > length:
                 tokens = local_tokens
             out.append(Proposal(tokens) if tokens else EMPTY)
