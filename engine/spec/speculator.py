@@ -37,9 +37,13 @@ STAT_KEYS = (
     "spec_forced_accepted",
     "spec_grammar_cut_tokens",  # proposer drafts dropped because the grammar refuses them
 )
-#: The acceptance forced-token drafts are costed with: the grammar admits nothing else, and only
-#: a tokenisation the model would not write (rare) is rejected.
-FORCED_ALPHA = 0.95
+#: The acceptance forced-token drafts are costed with: a forced row is one-hot, so they are
+#: accepted by construction (only a draft cut by the step's token budget is lost). Below 1 only
+#: to keep the cost model's formula finite. With it the cost model still says no where a
+#: verified token costs more than a step of its own; on the CPU it said yes up to k = 10 at batch
+#: 16, where 0.95 gave k = 4-5 and, with the measured cost drifting on a shared machine, some
+#: runs drafted a third as much (bench/structured.py: 1.15x vs 0.94x unconstrained).
+FORCED_ALPHA = 0.99
 PROBE_EVERY = 8  # a sequence held at k = 0 by low acceptance retries k = 1 this often
 # Where the expected gain is marginal (below CONTROL_BELOW), every CONTROL_EVERY-th step runs the
 # other way (plain if speculating, speculating if held off by measured cost), so the realized
