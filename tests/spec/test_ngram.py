@@ -51,3 +51,13 @@ def test_index_grows_incrementally_as_tokens_arrive():
     assert fresh.maps == index.maps
     proposer.finished(seq)
     assert seq.seq_id not in proposer.indexes
+
+
+def test_lookahead_drafts_after_the_forced_tokens_and_indexes_only_committed_ones():
+    # Committed [7, 1, 2, 3, 4, 9]; a grammar forces [1, 2] next: the match is on [.., 1, 2] -> 3 4.
+    seq = make_seq([7, 1, 2, 3, 4, 9])
+    proposer = NgramProposer(1, 3)
+    assert proposer.propose([seq], [2], lookahead=[[1, 2]])[0].tokens == [3, 4]
+    index = proposer.indexes[seq.seq_id]
+    assert index.indexed == len(seq.token_ids)  # the forced tokens are not in the index
+    assert proposer.propose([seq], [2], lookahead=[[]])[0].tokens == []  # 9 was never followed
