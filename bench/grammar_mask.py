@@ -3,7 +3,10 @@
 Both compile the same nested JSON schema for SmolLM2's tokenizer, then walk the tokens of a
 valid record, computing the full next-token bitmask before each one (what the sampler needs
 every step). Prints compile time and the median / p90 mask time per token.
-Run: ``python -m bench.grammar_mask``.
+Run: ``python -m bench.grammar_mask`` (llguidance comes with ``pip install -e ".[bench]"``).
+
+Measured 2026-12-01 on the 2-core CPU: xgrammar compile 4-8 ms, mask median 1 us / p90 4 us;
+llguidance matcher 1 ms, mask median 8-9 us / p90 20-33 us (fixed and flexible whitespace).
 """
 
 from __future__ import annotations
