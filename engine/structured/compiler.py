@@ -36,10 +36,6 @@ MAX_RUNAWAY = 4  # compilations past their deadline still running before new one
 JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's json_object: any JSON object
 
 
-class GrammarError(ValueError):
-    """A grammar that cannot be compiled (or not in time): fails its own request."""
-
-
 class Compilation:
     """One distinct grammar's compilation: pending, then a compiled grammar or an error."""
 
