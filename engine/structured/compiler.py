@@ -20,6 +20,7 @@ paid every step for every constrained row, compilation once per schema.)
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
@@ -34,6 +35,21 @@ log = logging.getLogger(__name__)
 MAX_CACHED = 256  # compiled grammars (and cached failures) kept, least recently used evicted
 MAX_RUNAWAY = 4  # compilations past their deadline still running before new ones are refused
 JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's json_object: any JSON object
+#: At interpreter exit, wait this long for compilations still running. Why: xgrammar aborts the
+#: process (``terminate called without an active exception``, exit code 134) when it exits
+#: during the last phase of a compilation (measured: exit 3.2 s into a 3.7 s compilation).
+EXIT_WAIT_S = 60.0
+_running: set[threading.Thread] = set()
+_running_lock = threading.Lock()
+
+
+@atexit.register
+def _wait_for_compilations() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    with _running_lock:
+        threads = list(_running)
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class Compilation:
@@ -86,11 +102,8 @@ class GrammarCompiler:
         self._xgr_compiler = None
         self.stats = {"compiled": 0, "cache_hits": 0, "failed": 0, "timed_out": 0}
 
-    def tokenizer_info(self):
-        """xgrammar's view of the vocabulary (built once, ~0.1 s for SmolLM2's tokenizer)."""
-        return self._compiler().tokenizer_info
-
     def _compiler(self):
+        """xgrammar's compiler over this vocabulary (built once: ~0.1-0.2 s for SmolLM2's)."""
         with self._build_lock:
             if self._xgr_compiler is None:
                 import xgrammar as xgr
@@ -128,6 +141,8 @@ class GrammarCompiler:
                 self._cache.pop(oldest_key)
         entry.thread = threading.Thread(target=self._compile, args=(entry, spec), daemon=True,
                                         name="specbatch-grammar-compile")
+        with _running_lock:
+            _running.add(entry.thread)
         entry.thread.start()
         return entry
 
@@ -151,6 +166,8 @@ class GrammarCompiler:
                 self.stats["compiled"] += 1
         finally:
             entry.done.set()
+            with _running_lock:
+                _running.discard(threading.current_thread())
 
 
 def compile_spec(compiler, spec: StructuredOutputsParams):

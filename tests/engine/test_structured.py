@@ -104,7 +104,9 @@ def test_greedy_is_the_same_with_and_without_forced_drafts(smol_llm, prompts):
 
 
 def test_a_grammar_that_fails_or_times_out_fails_alone(smol_llm, prompts):
-    llm = engine_like(smol_llm, structured_outputs_timeout_s=1.0)
+    # (No forced drafting here: the speculator it builds calibrates for ~1 s at the first
+    # grammar, and the timings below are about compilation.)
+    llm = engine_like(smol_llm, structured_outputs_timeout_s=1.0, forced_token_drafts=False)
     # Bounded string lengths in many properties take xgrammar seconds to compile (~4 s here).
     slow = {"type": "object", "required": [f"k{i}" for i in range(10)],
             "properties": {f"k{i}": {"type": "string", "maxLength": 50 + i} for i in range(10)}}
@@ -126,6 +128,45 @@ def test_a_grammar_that_fails_or_times_out_fails_alone(smol_llm, prompts):
     assert outs[3].error.startswith("structured_outputs: the regex does not compile"), outs[3].error
     for out in (outs[1], outs[2], outs[3]):
         assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    # The loop never waited for the slow compilation: the others had tokens before it failed.
+    assert max(outs[i].metrics.first_token_time for i in (0, 4, 5)) < outs[2].metrics.finished_time
     # The failure is cached: the same slow schema fails at once, without compiling again.
     again = llm.generate(prompts[:1], params[2], use_tqdm=False)[0]
     assert "took longer" in again.error
+
+
+def test_exiting_during_a_compilation_is_clean(smollm2_dir, tmp_path):
+    """xgrammar aborts a process that exits during a compilation's last phase (exit code 134);
+    the compiler waits for running compilations at exit instead."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exit_while_compiling.py"
+    script.write_text(f"""
+import json
+import time
+from transformers import AutoTokenizer
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.params import StructuredOutputsParams
+tok = AutoTokenizer.from_pretrained({smollm2_dir!r})
+compiler = GrammarCompiler(tok, 49152, {{tok.eos_token_id}}, timeout_s=0.5)
+def slow(name):
+    return {{"type": "object", "required": [f"{{name}}{{i}}" for i in range(10)],
+            "properties": {{f"{{name}}{{i}}": {{"type": "string", "maxLength": 50 + i}} for i in range(10)}}}}
+xgr_compiler = compiler._compiler()
+start = time.monotonic()  # how long one such compilation takes on this machine now
+xgr_compiler.compile_json_schema(json.dumps(slow("a")))
+seconds = time.monotonic() - start
+entry = compiler.submit(StructuredOutputsParams(json=slow("b")))
+start = time.monotonic()
+while not entry.poll():
+    time.sleep(0.01)
+print("gave up after", round(time.monotonic() - start, 1), "s:", entry.error)
+time.sleep(max(0.0, 0.88 * seconds - (time.monotonic() - start)))  # exit in its last phase
+""")
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "took longer than its 0.5 s limit" in res.stdout
