@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -160,6 +161,7 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs: 
         from engine import LLM, EngineLoop
         from engine.model_hub import resolve_model
 
+        set_gil_switch_interval()
         kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
         log.info("loading %s on %s (%s)", model, label, kwargs)
         # The engine is built in the loop's thread: all torch work in one thread (see EngineLoop.build).
@@ -169,6 +171,17 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs: 
         _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop,
                            queue=env("QUEUE") or queue_name(model))
         return _runtime
+
+
+def set_gil_switch_interval() -> None:
+    """Hand the GIL over within ``GIL_SWITCH_INTERVAL`` seconds (default 1 ms, Python's is 5 ms).
+
+    Why: the engine thread runs Python between torch ops for most of a step, and a task thread's
+    claim gives the GIL up at every database round trip and then waits up to one switch interval
+    to get it back; with the default an urgent job spent ~70 ms between its claim and its first
+    step under a full batch (bench/priority.py's claimed->scheduled), most of it in those waits.
+    """
+    sys.setswitchinterval(float(env("GIL_SWITCH_INTERVAL", "0.001")))
 
 
 def get() -> Runtime:
