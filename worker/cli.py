@@ -228,9 +228,13 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
               help="On SIGTERM, seconds running jobs get to finish before they go back to the queue (default 30).")
 @click.option("--quantization", default=None, envvar="SPECBATCH_QUANTIZATION", type=click.Choice(["int8"]),
               help="Opt-in int8 linears on the CPU (default: exact fp32/bf16).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, envvar="SPECBATCH_METRICS_PORT",
+              help="Serve Prometheus /metrics on this port (one port per worker process).")
+@click.option("--metrics-address", default=None, envvar="SPECBATCH_METRICS_ADDRESS",
+              help="Address /metrics binds (default 0.0.0.0, for Prometheus in another pod or host).")
 @click.pass_context
 def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
-           drain_timeout, quantization):
+           drain_timeout, quantization, metrics_port, metrics_address):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
     _speculation_env(speculative, draft_model)
     from .lanes import lane_queues
@@ -245,6 +249,10 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
         os.environ["SPECBATCH_MAX_NUM_SEQS"] = str(max_num_seqs)
     if quantization:
         os.environ["SPECBATCH_QUANTIZATION"] = quantization
+    if metrics_port:
+        os.environ["SPECBATCH_METRICS_PORT"] = str(metrics_port)
+    if metrics_address:
+        os.environ["SPECBATCH_METRICS_ADDRESS"] = metrics_address
     if ctx.obj["database_url"]:
         os.environ["SPECBATCH_DATABASE_URL"] = ctx.obj["database_url"]
     from .embedded import ensure_broker_url

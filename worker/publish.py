@@ -26,6 +26,15 @@ def payload_of(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row.get(k) for k in JOB_PAYLOAD_FIELDS}
 
 
+def args_repr(row: dict[str, Any]) -> str:
+    """What Flower and ``celery inspect`` show as the task's arguments: the job id and where the
+    job comes from (batch, custom_id, line), never the prompt (large, and maybe private)."""
+    origin = {k: row.get(k) for k in ("batch_id", "custom_id", "line_no") if row.get(k) is not None}
+    if isinstance(origin.get("custom_id"), str) and len(origin["custom_id"]) > 200:
+        origin["custom_id"] = origin["custom_id"][:200] + "…"
+    return repr((row["id"], origin))
+
+
 def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[str, Any]], str], *,
                  retry: bool = True) -> int:
     """Publish one task message per job row; ``queue_of(row)`` names its queue."""
@@ -43,7 +52,7 @@ def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[s
                 queue = queues[qname] = Queue(qname, routing_key=qname)
             message = amqp.create_task_message(
                 row["id"], TASK_NAME, (row["id"], payload_of(row)), {}, create_sent_event=True,
-                ignore_result=True, argsrepr=repr((row["id"],)), kwargsrepr="{}",
+                ignore_result=True, argsrepr=args_repr(row), kwargsrepr="{}",
             )
             amqp.send_task_message(producer, TASK_NAME, message, queue=queue, declare=[queue],
                                    retry=retry, retry_policy=RETRY_POLICY)

@@ -30,6 +30,7 @@ EXIT_ENGINE_BUILD_FAILED = 3
 EXIT_ENGINE_DIED = 4
 EXIT_STORE_UNREACHABLE = 5
 EXIT_STOP_HUNG = 6  # a stop (e.g. Celery's "Unrecoverable error" after a broker loss) never finished
+EXIT_METRICS_PORT = 7  # --metrics-port could not be bound (taken: one port per worker process)
 
 
 def pin_device(device: str) -> tuple[str, str]:
@@ -114,6 +115,7 @@ class Runtime:
     heartbeat: Any = None  # the process's Heartbeat, started with the first job
     reaper: Any = None  # the process's Reaper (worker processes only)
     pacer: Any = None  # the process's Pacer (worker processes only)
+    metrics: Any = None  # the process's WorkerMetrics when SPECBATCH_METRICS_PORT is set
     draining: bool = False  # warm shutdown began: hand new messages back, give back what is left
     dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
 
@@ -164,13 +166,38 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs: 
         set_gil_switch_interval()
         kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
         log.info("loading %s on %s (%s)", model, label, kwargs)
+        metrics = _make_metrics(model, label)
         # The engine is built in the loop's thread: all torch work in one thread (see EngineLoop.build).
         loop = EngineLoop.build(lambda: LLM(resolve_model(model), device=engine_device, **kwargs).engine,
-                                on_death=_on_engine_death)
+                                on_death=_on_engine_death, on_step=metrics.observe_step if metrics else None)
         llm = LLM.from_engine(loop.engine)
         _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop,
-                           queue=env("QUEUE") or queue_name(model))
+                           queue=env("QUEUE") or queue_name(model), metrics=metrics)
         return _runtime
+
+
+def _make_metrics(model: str, label: str) -> Any:
+    """The process's Prometheus metrics when ``METRICS_PORT`` is set (served once the engine is up)."""
+    if not env("METRICS_PORT"):
+        return None
+    from .metrics import WorkerMetrics
+
+    return WorkerMetrics(model=model, worker=_worker_name or worker_name(label),
+                         stats=lambda: _runtime.loop.stats())
+
+
+def serve_metrics(rt: Runtime) -> None:
+    """Expose ``/metrics`` on ``METRICS_ADDRESS:METRICS_PORT``; a taken port ends the worker."""
+    if rt.metrics is None:
+        return
+    port, address = int(env("METRICS_PORT")), env("METRICS_ADDRESS", "0.0.0.0")
+    try:
+        rt.metrics.serve(port, address)
+    except OSError as exc:
+        _record_state("failed", f"metrics port {address}:{port} unavailable: {exc}")
+        _exit(EXIT_METRICS_PORT, f"metrics port {address}:{port} unavailable ({exc}): "
+                                 "give every worker process a port of its own")
+    log.info("metrics on http://%s:%d/metrics", address, port)
 
 
 def set_gil_switch_interval() -> None:
@@ -204,6 +231,8 @@ def stop(drain_timeout: float = 30.0) -> None:
                 _runtime.reaper.stop()
             if _runtime.pacer is not None:
                 _runtime.pacer.stop()
+            if _runtime.metrics is not None:
+                _runtime.metrics.stop()
             _runtime = None
 
 
@@ -290,6 +319,7 @@ def _load_at_worker_start(sender=None, **_: Any) -> None:
         _exit(EXIT_ENGINE_BUILD_FAILED, f"engine could not be built: {exc!r}")
         return
     _start_maintenance(rt)
+    serve_metrics(rt)
     _record_state("ready")
 
 

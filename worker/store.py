@@ -81,6 +81,8 @@ class Claim:
 
     attempt: int | None
     reason: str = ""
+    enqueued_at: float | None = None  # of a won claim: its queue wait ends now
+    started_at: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -247,7 +249,8 @@ class Store:
             now = time.time()
             with self.engine.begin() as conn:
                 row = conn.execute(
-                    select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven).where(Job.id == job_id)
+                    select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
+                    .where(Job.id == job_id)
                 ).first()
                 if row is None:
                     if payload is None:
@@ -255,7 +258,7 @@ class Store:
                     # The message carries the payload: recreate a row lost with its database.
                     self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
                     continue
-                status, attempts, heartbeat, forgiven = row
+                status, attempts, heartbeat, forgiven, enqueued_at = row
                 if status in TERMINAL:
                     return Claim(None, f"already {status}")
                 if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
@@ -278,7 +281,7 @@ class Store:
                             queue_wait_s=now - Job.enqueued_at, queue=func.coalesce(queue, Job.queue))
                 )
                 if res.rowcount == 1:
-                    return Claim(attempts + 1)
+                    return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now)
         return Claim(None, "lost the race to another attempt")
 
     def heartbeat(self, job_id: str, attempt: int) -> bool:
