@@ -288,6 +288,45 @@ def _speculation_env(speculative: str | None, draft_model: str | None) -> None:
         os.environ["SPECBATCH_DRAFT_MODEL"] = draft_model
 
 
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="FLOWER_PORT", show_default=True)
+@click.option("--address", default="127.0.0.1", envvar="FLOWER_ADDRESS", show_default=True,
+              help="Bind address; anything but loopback needs --basic-auth.")
+@click.option("--basic-auth", default=None, envvar="FLOWER_BASIC_AUTH", help="user:password[,user2:password2].")
+@click.option("--model", "models", multiple=True,
+              help="Show this model's queues on the Broker page (repeatable; default: SPECBATCH_MODEL's).")
+@click.option("--queue", "queues", multiple=True, help="Show this queue and its interactive lane (repeatable).")
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def flower(ctx, port, address, basic_auth, models, queues, flower_args):
+    """Flower for the workers and queues: tasks read as jobs (id, batch, custom_id, summary)."""
+    from .flower import check_exposure, flower_argv
+    from .lanes import lane_queues
+
+    try:
+        other_auth = os.environ.get("FLOWER_AUTH_PROVIDER") or next(
+            (a for a in flower_args if a.startswith(("--auth", "--oauth2"))), None)
+        check_exposure(address, basic_auth, other_auth)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    from kombu import Queue
+
+    from .app import app, configure
+    from .config import queue_name
+    from .embedded import ensure_broker_url
+
+    settings = Settings.resolve(broker_url=ctx.obj["broker_url"])
+    broker = ensure_broker_url(settings.broker_url)
+    configure(broker)
+    names = list(queues) + [queue_name(model) for model in (models or (() if queues else (settings.model,)))]
+    queues = [lane for name in names for lane in lane_queues(name)]
+    app.conf.task_queues = [Queue(q, routing_key=q) for q in queues]
+    app.conf.task_default_queue = queues[-1]
+    console.print(f"flower on http://{address}:{port} (broker {redact_url(broker)}, queues {', '.join(queues)}"
+                  f"{', basic auth' if basic_auth else ''})", soft_wrap=True)
+    app.start(argv=flower_argv(port=port, address=address, basic_auth=basic_auth, extra=flower_args))
+
+
 # ---- status / export / cancel / db -----------------------------------------------------
 @cli.command()
 @click.argument("batch", required=False)

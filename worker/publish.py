@@ -27,12 +27,15 @@ def payload_of(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def args_repr(row: dict[str, Any]) -> str:
-    """What Flower and ``celery inspect`` show as the task's arguments: the job id and where the
-    job comes from (batch, custom_id, line), never the prompt (large, and maybe private)."""
-    origin = {k: row.get(k) for k in ("batch_id", "custom_id", "line_no") if row.get(k) is not None}
-    if isinstance(origin.get("custom_id"), str) and len(origin["custom_id"]) > 200:
-        origin["custom_id"] = origin["custom_id"][:200] + "…"
-    return repr((row["id"], origin))
+    """What Flower and ``celery inspect`` show as the task's arguments: where the job comes from
+    (custom_id first: the column is narrow), its line and batch, then its id; never the prompt
+    (large, and maybe private)."""
+    custom_id = row.get("custom_id")
+    if isinstance(custom_id, str) and len(custom_id) > 200:
+        custom_id = custom_id[:200] + "…"
+    parts = [("custom_id", custom_id), ("line", row.get("line_no")), ("batch", row.get("batch_id")),
+             ("job", row["id"])]
+    return " ".join(f"{name}={value!r}" for name, value in parts if value is not None)
 
 
 def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[str, Any]], str], *,

@@ -106,7 +106,7 @@ def generate(self, job_id: str, payload: dict[str, Any]) -> dict[str, Any]:
 def task_summary(job_id: str, payload: dict[str, Any], outcome: str,
                  values: dict[str, Any] | None = None) -> dict[str, Any]:
     """The task's result as Flower shows it: what happened and the job's key figures, small."""
-    summary: dict[str, Any] = {"job": job_id, "custom_id": payload.get("custom_id"), "status": outcome}
+    summary: dict[str, Any] = {"status": outcome}
     if values:
         drafts = values.get("num_draft_tokens") or 0
         summary.update(
@@ -118,6 +118,7 @@ def task_summary(job_id: str, payload: dict[str, Any], outcome: str,
         )
         if values.get("error"):
             summary["error"] = str(values["error"])[:200]
+    summary.update(custom_id=payload.get("custom_id"), job=job_id)
     return summary
 
 
