@@ -213,7 +213,7 @@ h1{font-size:1.5rem;margin-bottom:.2rem} h2{font-size:1.15rem;margin-top:2rem;bo
 .meta{color:#666;font-size:.9rem} .meta code{word-break:break-all}
 table{border-collapse:collapse;margin:.5rem 0;font-size:.9rem}
 th,td{border:1px solid #ddd;padding:.25rem .6rem;text-align:left;vertical-align:top}
-td.num{text-align:right;font-variant-numeric:tabular-nums} th{background:#f5f5f5}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} th{background:#f5f5f5}
 td.id,td.custom-id{font-family:ui-monospace,monospace;word-break:break-all}
 td.error{max-width:32rem;white-space:pre-wrap;word-break:break-word}
 .plots{display:flex;flex-wrap:wrap;gap:1rem} .plots figure{margin:0} img{max-width:100%}
