@@ -149,6 +149,7 @@ def throughput_plot(m: Metrics, t0: float) -> str | None:
     x = edges[:-1] - t0
     ax.step(x, tok_rate, where="post", color="#4c72b0", label="output tokens/s")
     ax.set(title="throughput", xlabel="seconds since the first job started", ylabel="output tokens/s")
+    ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
     ax2.bar(x, done, width=width, align="edge", alpha=0.3, color="#55a868", label=f"jobs finished / {width:.2g} s")
     ax2.set_ylabel("jobs finished per bucket")
@@ -186,6 +187,7 @@ def batch_size_plot(m: Metrics, t0: float) -> str | None:
     if idx.size:
         ax.scatter(fin[idx] - t0, m["max_batch_size"][idx], s=8, color="#dd8452", label="a job's max engine batch")
     ax.set(title="batch size over time", xlabel="seconds since the first job started", ylabel="sequences")
+    ax.set_ylim(bottom=0)
     ax.legend(loc="upper right")
     return _png(fig)
 
