@@ -302,7 +302,6 @@ def status(ctx, batch, watch, interval, window):
     out = Console(soft_wrap=False)
     if not out.is_terminal:  # a pipe or a file: wide enough that no table squeezes an id
         out = Console(width=max(out.width, 160))
-    out.print(f"database {redact_url(url)}", soft_wrap=True)
     b = None
     if batch is not None:
         b = store.get_batch(batch)
@@ -315,7 +314,8 @@ def status(ctx, batch, watch, interval, window):
             click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
                        else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts,
                                         "worker": job.worker}))
-            return
+            return  # stdout is the job's JSON alone (pipe it to jq)
+    out.print(f"database {redact_url(url)}", soft_wrap=True)
     show(store, out, b, watch=out.is_terminal if watch is None else watch, interval=interval, window_s=window)
 
 

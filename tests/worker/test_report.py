@@ -144,6 +144,9 @@ def test_status_once_on_a_real_run(ran):
     assert "succeeded 10  failed 2  cancelled 0  running 0  queued 0" in out
     assert "failures       invalid_input 2" in out
     assert "jobs/s" in out and "output tok/s  (whole run)" in out and "ETA            done" in out
+    job = Store(db).jobs(batch_id)[0]
+    one = CliRunner().invoke(cli, ["--database-url", db, "status", job.id])
+    assert one.exit_code == 0 and json.loads(one.stdout)["custom_id"] == job.custom_id  # JSON alone on stdout
     overview = CliRunner().invoke(cli, ["--database-url", db, "status", "--once"])
     assert overview.exit_code == 0 and batch_id in overview.stdout and "invalid_input 2" in overview.stdout
     assert "local-" in overview.stdout and " cpu " in overview.stdout and "stopped" in overview.stdout
