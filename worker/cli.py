@@ -330,57 +330,59 @@ def flower(ctx, port, address, basic_auth, models, queues, flower_args):
 # ---- status / export / cancel / db -----------------------------------------------------
 @cli.command()
 @click.argument("batch", required=False)
+@click.option("--watch/--once", default=None,
+              help="Refresh live until the batch is done or Ctrl-C (default on a terminal), or print once.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.option("--window", type=click.FloatRange(min=1.0), default=60.0, show_default=True,
+              help="Throughput and ETA over the jobs finished in the last this many seconds.")
 @click.pass_context
-def status(ctx, batch):
-    """Recent batches, or one batch's counts and timings."""
-    from .store import Store
+def status(ctx, batch, watch, interval, window):
+    """Workers and recent batches, or one batch (or job) in detail: progress, throughput, ETA,
+    failures by cause. Printed to stdout; ids are never cut."""
     from .config import database_url_from_env
+    from .status_view import show
+    from .store import Store
 
     url = ctx.obj["database_url"] or database_url_from_env()
     store = Store(url)
-    console.print(f"database {redact_url(url)}", soft_wrap=True)
-    if batch is None:
-        _print_workers(store)
-        table = Table("batch", "name", "model", "total", "queued", "running", "ok", "failed", "cancelled", "finished")
-        for b in store.batches():
-            c = store.refresh_batch(b.id)
-            table.add_row(b.id, b.name or "", b.model, str(sum(c.values())), str(c["queued"]), str(c["running"]),
-                          str(c["succeeded"]), str(c["failed"]), str(c["cancelled"]),
-                          time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.finished_at)) if b.finished_at else "")
-        console.print(table)
-        return
+    out = Console(soft_wrap=False)
+    if not out.is_terminal:  # a pipe or a file: wide enough that no table squeezes an id
+        out = Console(width=max(out.width, 160))
+    b = None
+    if batch is not None:
+        b = store.get_batch(batch)
+        if b is None:
+            job = store.get_job(batch)
+            if job is None:
+                raise click.ClickException(f"no batch or job {batch!r}")
+            from .formats import output_line
+
+            click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
+                       else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts,
+                                        "worker": job.worker}))
+            return  # stdout is the job's JSON alone (pipe it to jq)
+    out.print(f"database {redact_url(url)}", soft_wrap=True)
+    show(store, out, b, watch=out.is_terminal if watch is None else watch, interval=interval, window_s=window)
+
+
+@cli.command()
+@click.argument("batch")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="report.html", show_default=True)
+@click.pass_context
+def report(ctx, batch, output):
+    """Write one self-contained HTML page on BATCH: summary, latency histograms, throughput and
+    batch size over time, draft acceptance, slowest and failed jobs."""
+    from .config import database_url_from_env
+    from .report import write_report
+    from .store import Store
+
+    store = Store(ctx.obj["database_url"] or database_url_from_env())
     b = store.get_batch(batch)
     if b is None:
-        job = store.get_job(batch)
-        if job is None:
-            raise click.ClickException(f"no batch or job {batch!r}")
-        from .formats import output_line
-
-        click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
-                   else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts, "worker": job.worker}))
-        return
-    store.refresh_batch(b.id)
-    console.print(f"batch {b.id} ({b.name}) model {b.model}")
-    _print_summary(store.jobs(b.id), None, None)
-
-
-def _print_workers(store) -> None:
-    """Workers by node name: a crash-looping one shows many starts and failures, its last error."""
-    workers = store.workers()
-    if not workers:
-        return
-    running = store.running_counts_by_worker()
-    now = time.time()
-    table = Table("worker", "device", "queue", "state", "running jobs", "last heartbeat", "starts", "failures",
-                  "last error", title="workers")
-    for w in workers:
-        beat = f"{now - w.heartbeat_at:.0f} s ago" if w.heartbeat_at else "-"
-        state = w.state
-        if w.failures >= 3 and w.state in ("failed", "starting"):
-            state = f"[red]{w.state} (crash loop?)[/]"
-        table.add_row(w.name, w.device or "", w.queue or "", state, str(running.get(w.name, 0)), beat,
-                      str(w.starts), str(w.failures), (w.error or "")[:80])
-    console.print(table)
+        raise click.ClickException(f"no batch {batch!r}")
+    path = write_report(store, b, output)
+    console.print(f"wrote {path} (batch {b.id})", soft_wrap=True)
 
 
 @cli.command()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
-from sqlalchemy import Engine, and_, bindparam, create_engine, delete, event, func, or_, select, update
+from sqlalchemy import Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -555,6 +555,102 @@ class Store:
                 .where(Job.batch_id == batch_id, Job.status == SUCCEEDED)
             ).one()
         return {**counts, "output_tokens": tokens or 0, "first_started": first, "last_finished": last}
+
+    # ---- monitoring (worker.status_view, worker.report): aggregates, never whole rows ------
+    def counts_by_batch(self, batch_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """``{batch id: {status: n}}`` for many batches in one grouped query."""
+        out = {b: dict.fromkeys(STATUSES, 0) for b in batch_ids}
+        if not out:
+            return out
+        with self.reader.connect() as conn:
+            rows = conn.execute(select(Job.batch_id, Job.status, func.count()).where(Job.batch_id.in_(list(out)))
+                                .group_by(Job.batch_id, Job.status))
+            for batch_id, status, n in rows:
+                out[batch_id][status] = n
+        return out
+
+    def failures_by_cause(self, batch_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """``{batch id: {error_type: n}}`` of failed jobs (``unknown`` where no type was recorded)."""
+        out: dict[str, dict[str, int]] = {b: {} for b in batch_ids}
+        if not out:
+            return out
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(Job.batch_id, Job.error_type, func.count())
+                .where(Job.batch_id.in_(list(out)), Job.status == FAILED)
+                .group_by(Job.batch_id, Job.error_type)
+            )
+            for batch_id, cause, n in rows:
+                key = cause or "unknown"
+                out[batch_id][key] = out[batch_id].get(key, 0) + n
+        return out
+
+    def finished_stats(self, batch_ids: Sequence[str], since: float) -> dict[str, dict[str, float | None]]:
+        """Per batch, over jobs that ran (were claimed) and ended: how many and their output
+        tokens in all and since ``since``, and the first start and last finish.
+
+        Throughput over a recent window comes from here without reading rows: one grouped
+        aggregate over the batch's index.
+        """
+        out: dict[str, dict[str, float | None]] = {}
+        if not batch_ids:
+            return out
+        recent = Job.finished_at >= since
+        tokens = func.coalesce(Job.num_output_tokens, 0)
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(
+                    Job.batch_id, func.count(), func.coalesce(func.sum(tokens), 0),
+                    func.coalesce(func.sum(case((recent, 1), else_=0)), 0),
+                    func.coalesce(func.sum(case((recent, tokens), else_=0)), 0),
+                    func.min(Job.started_at), func.max(Job.finished_at),
+                )
+                .where(Job.batch_id.in_(list(batch_ids)), Job.status.in_(TERMINAL), Job.started_at.is_not(None))
+                .group_by(Job.batch_id)
+            )
+            for batch_id, jobs, toks, recent_jobs, recent_toks, first, last in rows:
+                out[batch_id] = {"jobs": jobs, "output_tokens": toks, "recent_jobs": recent_jobs,
+                                 "recent_output_tokens": recent_toks, "first_started": first, "last_finished": last}
+        return out
+
+    def recent_latencies(self, batch_id: str, since: float, limit: int = 10_000) -> list[tuple[float | None, float | None]]:
+        """(TTFT, TPOT) of the batch's jobs that succeeded since ``since`` (at most ``limit``)."""
+        with self.reader.connect() as conn:
+            return [tuple(r) for r in conn.execute(
+                select(Job.ttft_s, Job.tpot_s)
+                .where(Job.batch_id == batch_id, Job.status == SUCCEEDED, Job.finished_at >= since).limit(limit)
+            )]
+
+    def iter_job_columns(self, batch_id: str, columns: Sequence[str], chunk: int = 50_000) -> Iterator[list[tuple]]:
+        """The batch's jobs as tuples of only ``columns``, ``chunk`` rows at a time (server-side
+        cursor where the driver has one): a report on a million jobs never reads a prompt."""
+        cols = [getattr(Job, c) for c in columns]
+        with self.reader.connect() as conn:
+            result = conn.execution_options(stream_results=True, yield_per=chunk).execute(
+                select(*cols).where(Job.batch_id == batch_id))
+            for part in result.partitions(chunk):
+                yield [tuple(r) for r in part]
+
+    def slowest_jobs(self, batch_id: str, limit: int = 20) -> list[dict[str, Any]]:
+        """The batch's succeeded jobs with the longest run (claim to result), longest first."""
+        latency = (Job.finished_at - Job.started_at).label("latency_s")
+        q = (select(Job.id, Job.custom_id, Job.line_no, Job.status, latency, Job.queue_wait_s, Job.ttft_s, Job.tpot_s,
+                    Job.num_prompt_tokens, Job.num_output_tokens, Job.worker)
+             .where(Job.batch_id == batch_id, Job.status == SUCCEEDED, Job.started_at.is_not(None),
+                    Job.finished_at.is_not(None))
+             .order_by(latency.desc(), Job.id).limit(limit))
+        with self.reader.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def failed_jobs(self, batch_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        """The batch's failed jobs in input order (at most ``limit``): what the failure said."""
+        latency = (Job.finished_at - Job.started_at).label("latency_s")
+        q = (select(Job.id, Job.custom_id, Job.line_no, Job.status, Job.error_type, Job.error, latency,
+                    Job.num_output_tokens, Job.worker)
+             .where(Job.batch_id == batch_id, Job.status == FAILED)
+             .order_by(Job.line_no, Job.id).limit(limit))
+        with self.reader.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
 
     def refresh_batch(self, batch_id: str) -> dict[str, int]:
         """Store the batch's counts by status (and finished_at once nothing is left)."""
