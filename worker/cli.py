@@ -213,7 +213,9 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
 
 # ---- worker ----------------------------------------------------------------------------
 @cli.command()
-@click.option("--device", default=None, help="cpu or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
+@click.option("--device", default=None,
+              help="cpu, cpu:N (a CPU slot: bound to core N, SPECBATCH_CPU_THREADS threads, default 1) "
+                   "or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
 @click.option("--model", default=None)
 @click.option("--queue", default=None,
               help="Queue to consume (default gen.<model-slug>), with its interactive lane <queue>.interactive first.")

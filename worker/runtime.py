@@ -33,22 +33,48 @@ EXIT_STOP_HUNG = 6  # a stop (e.g. Celery's "Unrecoverable error" after a broker
 EXIT_METRICS_PORT = 7  # --metrics-port could not be bound (taken: one port per worker process)
 
 
+_pinned_slot: str | None = None  # the CPU slot this process is bound to, once pinned
+
+
 def pin_device(device: str) -> tuple[str, str]:
-    """Pin this process to ``device`` *before* torch initialises CUDA.
+    """Pin this process to ``device`` *before* torch initialises CUDA or its thread pool.
 
     ``cuda:1`` sets ``CUDA_VISIBLE_DEVICES=1`` so the engine sees that GPU as ``cuda:0``;
-    returns (the device the engine should use, the worker-name prefix, e.g. ``cuda1``).
+    ``cpu:N`` is a CPU slot: the process is bound to core N (``sched_setaffinity``) with
+    ``CPU_THREADS`` torch threads (default 1), so several workers share a host without their
+    thread pools fighting over the same cores. Returns (the device the engine should use, the
+    worker-name prefix, e.g. ``cuda1``).
     """
     device = (device or "cpu").strip().lower()
     if device == "cpu":
         return "cpu", "cpu"
     if device == "cuda":
         device = "cuda:0"
-    if device.startswith("cuda:") and device[5:].isdigit():
-        index = device[5:]
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and index.isdigit():
         os.environ["CUDA_VISIBLE_DEVICES"] = index
         return "cuda:0", f"cuda{index}"
-    raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+    if kind == "cpu" and index.isdigit():
+        global _pinned_slot
+        if _pinned_slot not in (None, device):
+            raise ValueError(f"this process is pinned to {_pinned_slot!r} already, not {device!r}")
+        if _pinned_slot is None:  # idempotent: `specbatch worker` pins, then the runtime again
+            cores = sorted(os.sched_getaffinity(0))
+            if int(index) >= len(cores):
+                raise ValueError(f"device {device!r}: this host has CPU slots cpu:0..cpu:{len(cores) - 1}")
+            os.sched_setaffinity(0, {cores[int(index)]})
+            _pinned_slot = device
+        threads = env("CPU_THREADS", "1")
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = threads
+        if "torch" in sys.modules:  # already imported (tests): its pool is sized already; resize it
+            sys.modules["torch"].set_num_threads(int(threads))
+        return "cpu", f"cpu{index}"
+    raise ValueError(f"device must be 'cpu', 'cpu:N' (a CPU slot) or 'cuda:N', got {device!r}")
+
+
+def is_cpu(device: str | None) -> bool:
+    return (device or "cpu").strip().lower().split(":")[0] == "cpu"
 
 
 def worker_name(device: str, host: str | None = None) -> str:
@@ -70,7 +96,7 @@ def engine_kwargs_from_env() -> dict[str, Any]:
         # On a CPU a step's cost grows with its batch: urgent requests get 16 steps of every 17
         # to themselves while they run (measured: bench/results/priority-cpu.txt); on a GPU a
         # bigger decode batch costs almost nothing more, so they share every step.
-        "urgent_only_steps": int(env("URGENT_ONLY_STEPS", "16" if env("DEVICE", "cpu") == "cpu" else "0")),
+        "urgent_only_steps": int(env("URGENT_ONLY_STEPS", "16" if is_cpu(env("DEVICE", "cpu")) else "0")),
     }
     if env("MAX_NUM_BATCHED_TOKENS"):
         kwargs["max_num_batched_tokens"] = int(env("MAX_NUM_BATCHED_TOKENS"))
@@ -106,7 +132,7 @@ class Runtime:
 
     model: str
     device: str  # what the engine uses ("cpu", "cuda:0")
-    label: str  # what the store records ("cpu", "cuda:1")
+    label: str  # what the store records ("cpu", "cpu:1", "cuda:1")
     llm: Any
     loop: Any
     queue: str = ""  # the model's (bulk) queue; its interactive lane is ``<queue>.interactive``
@@ -336,12 +362,37 @@ def _start_maintenance(rt: Runtime) -> None:
     rt.pacer = Pacer(store(), app, lane_queues(rt.queue), owner=_worker_name or rt.label).start()
 
 
+def _ready_file() -> str | None:
+    """``READY_FILE``: exists exactly while this worker can take jobs (a Kubernetes exec
+    readiness probe: ``test -f``); written once the model is loaded and the consumer runs."""
+    return env("READY_FILE")
+
+
+@signals.worker_ready.connect
+def _mark_ready(**_: Any) -> None:
+    path = _ready_file()
+    rt = _runtime
+    if path and rt is not None and not (rt.dead or rt.draining):
+        with open(path, "w") as fh:
+            fh.write(f"{os.getpid()} {_worker_name or rt.label} {rt.model}\n")
+
+
+def _unmark_ready() -> None:
+    path = _ready_file()
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _on_engine_death(exc: BaseException) -> None:
     """The loop thread died: stop taking work; task threads give their jobs back (they get
     ``EngineDied``); once they have, exit non-zero so the supervisor restarts us."""
     rt = _runtime
     if rt is not None:
         rt.dead = True
+    _unmark_ready()
     _record_state("failed", f"engine loop died: {exc!r}")
 
     def exit_when_given_back() -> None:
@@ -362,6 +413,7 @@ def _drain_on_shutdown(**_: Any) -> None:
     if rt is None or rt.draining:
         return
     rt.draining = True
+    _unmark_ready()
     _record_state("draining")
     timeout = drain_timeout()
 
@@ -378,5 +430,6 @@ def _drain_on_shutdown(**_: Any) -> None:
 
 @signals.worker_shutdown.connect
 def _drain_at_worker_stop(**_: Any) -> None:
+    _unmark_ready()
     stop(drain_timeout=drain_timeout())
     _record_state("stopped")
