@@ -10,12 +10,14 @@ across threads (Sessions never are).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-from sqlalchemy import Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -106,6 +108,8 @@ class Store:
     def __init__(self, url: str, *, auto_upgrade: bool | None = None) -> None:
         self.url = normalize_url(url)
         self.engine = make_engine(self.url)
+        # SQLite: this process's writers queue on a lock before BEGIN IMMEDIATE (see _write).
+        self._write_lock = threading.RLock() if make_url(self.url).get_backend_name() == "sqlite" else None
         self.reader = self.engine.execution_options(**{READ_ONLY: True})  # same pool, no write lock
         self.Session = sessionmaker(self.reader, expire_on_commit=False)
         self.dialect = self.engine.dialect.name
@@ -115,6 +119,19 @@ class Store:
             self.upgrade()
 
     # ---- schema ------------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """A write transaction. On SQLite the threads of this process take turns on a lock
+        first: SQLite's busy handler sleeps in growing steps (1, 2, 5, 10 … ms) and so wakes late,
+        and with dozens of task threads writing results a job's claim waited behind them; a
+        lock hands over at once. Other processes (a producer) still meet the busy handler."""
+        if self._write_lock is None:
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self._write_lock, self.engine.begin() as conn:
+            yield conn
+
     def upgrade(self) -> None:
         migrate.upgrade(self.engine)
 
@@ -139,7 +156,7 @@ class Store:
         stmt = self._insert(Job).on_conflict_do_nothing()
         if conn is not None:
             return conn.execute(stmt, list(rows)).rowcount
-        with self.engine.begin() as c:
+        with self._write() as c:
             return c.execute(stmt, list(rows)).rowcount
 
     def add_job(self, row: dict[str, Any]) -> str:
@@ -173,7 +190,7 @@ class Store:
         publishes them a window at a time, round-robin between batches, under ``max_in_flight``.
         """
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             batch_id = None
             if name is not None:
                 batch_id = conn.execute(select(Batch.id).where(Batch.name == name)).scalar()
@@ -214,7 +231,7 @@ class Store:
         for chunk in _chunks(new_rows, INSERT_CHUNK):
             self.upsert_jobs(chunk)
         for chunk in _chunks(requeue_ids, INSERT_CHUNK):
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 # Retried failures go back to queued with fresh attempts (the fence still only
                 # grows); queued/running rows keep their status (a running attempt stays fenced).
                 conn.execute(
@@ -247,7 +264,7 @@ class Store:
         """
         for _ in range(5):
             now = time.time()
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 row = conn.execute(
                     select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
                     .where(Job.id == job_id)
@@ -295,7 +312,7 @@ class Store:
         if not attempts:
             return set()
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 update(Job)
                 .where(Job.id == bindparam("job_id"), Job.attempts == bindparam("attempt"), Job.status == RUNNING)
@@ -310,7 +327,7 @@ class Store:
 
     def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
         """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             res = conn.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING)
@@ -335,7 +352,7 @@ class Store:
                                       error=f"given back: {reason}", error_type=None)
         if forgive:
             values["attempts_forgiven"] = Job.attempts_forgiven + 1
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             res = conn.execute(
                 update(Job).where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING).values(**values)
             )
@@ -367,7 +384,7 @@ class Store:
                 if exhausted else
                 dict(status=QUEUED, heartbeat_at=None, recovered_at=now, published_at=now, error=lost)
             )
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 res = conn.execute(
                     update(Job)
                     .where(Job.id == row["id"], Job.status == RUNNING, Job.attempts == row["attempts"],
@@ -406,7 +423,7 @@ class Store:
         if recovered:
             values["recovered_at"] = now
         for chunk in _chunks(list(job_ids), 500):
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 conn.execute(update(Job).where(Job.id.in_(chunk), Job.status == QUEUED).values(**values))
 
     # ---- pacing (worker.pacer) -----------------------------------------------------------
@@ -439,7 +456,7 @@ class Store:
                 .order_by(Job.line_no).limit(limit)
             ).mappings().all()
         if rows:
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 conn.execute(update(Job).where(Job.id.in_([r["id"] for r in rows]), Job.published_at.is_(None))
                              .values(published_at=time.time()))
         return [dict(r) for r in rows]
@@ -455,7 +472,7 @@ class Store:
     def worker_starting(self, name: str, **info: Any) -> None:
         """Record a worker process starting (a restart of the same name counts up ``starts``)."""
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             found = conn.execute(select(Worker.name).where(Worker.name == name)).first()
             values = dict(info, state=W_STARTING, error=None, started_at=now, heartbeat_at=now, stopped_at=None)
             if found is None:
@@ -472,11 +489,11 @@ class Store:
             values["stopped_at"] = now
         if state == W_FAILED:
             values["failures"] = Worker.failures + 1
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(update(Worker).where(Worker.name == name).values(**values))
 
     def worker_beat(self, name: str) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(update(Worker).where(Worker.name == name).values(heartbeat_at=time.time()))
 
     def workers(self) -> list[Worker]:
@@ -498,7 +515,7 @@ class Store:
             cond.append(Job.batch_id == batch_id)
         else:
             cond.append(Job.id.in_(job_ids))
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             rows = conn.execute(select(Job.id, Job.status).where(*cond)).all()
             ids = [r.id for r in rows]
             for chunk in _chunks(ids, 500):
@@ -657,7 +674,7 @@ class Store:
         counts = self.batch_counts(batch_id)
         values: dict[str, Any] = {f"num_{s}": n for s, n in counts.items()}
         values["num_total"] = sum(counts.values())
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             if counts[QUEUED] == 0 and counts[RUNNING] == 0:
                 values["finished_at"] = func.coalesce(Batch.finished_at, time.time())
             conn.execute(update(Batch).where(Batch.id == batch_id).values(**values))
