@@ -100,7 +100,7 @@ def scenario(name: str, model: str, args, workdir: Path) -> dict:
     db_url = f"sqlite:///{workdir / (name + '.db')}"
     client = Client(broker_url=args.broker, database_url=db_url, model=model, queue=queue)
     settings = Settings(broker_url=client.settings.broker_url, database_url=db_url, model=model, queue=queue)
-    extra = {"SPECBATCH_URGENT_ONLY_STEPS": str(args.urgent_only_steps)}
+    extra = {} if args.urgent_only_steps is None else {"SPECBATCH_URGENT_ONLY_STEPS": str(args.urgent_only_steps)}
     if name == "fifo":  # the system before lanes: one FIFO queue, FIFO engine, no reserves
         extra = {"SPECBATCH_ENGINE_KWARGS": json.dumps({"scheduling_policy": "fcfs", "reserved_seqs": 0}),
                  "SPECBATCH_INTERACTIVE_RESERVE": "0", "SPECBATCH_URGENT_ONLY_STEPS": "0"}
@@ -152,8 +152,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds for the bulk run to fill the engine")
     ap.add_argument("--timeout", type=float, default=120.0, help="give up on an interactive job after this")
-    ap.add_argument("--urgent-only-steps", type=int, default=0,
-                    help="lanes: k urgent-only steps of every k+1 while urgent and bulk both run")
+    ap.add_argument("--urgent-only-steps", type=int, default=None,
+                    help="lanes: k urgent-only steps of every k+1 while urgent and bulk both run "
+                         "(default: the worker's own default)")
     ap.add_argument("--broker", default=os.environ.get("REDIS_URL"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +162,7 @@ def main() -> None:
         model = resolve(args.model, workdir)
         print(f"model {args.model}; {args.interactive} interactive jobs at {args.rate}/s, {args.interactive_tokens} "
               f"tokens each; bulk jobs of {args.bulk_tokens} tokens; max_num_seqs {args.max_num_seqs}; "
-              f"urgent_only_steps {args.urgent_only_steps}; "
+              f"urgent_only_steps {'worker default' if args.urgent_only_steps is None else args.urgent_only_steps}; "
               f"cpus {os.cpu_count()}", flush=True)
         results = {}
         for name in args.scenarios.split(","):

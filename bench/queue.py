@@ -8,7 +8,9 @@
 2. ``Client.submit_batch`` of 10,000 small jobs: jobs/s (target >= 2,000), rows written and
    messages published.
 
-    python bench/queue.py [--jobs 128] [--max-tokens 64] [--submit-jobs 10000]
+    python -m bench.queue [--jobs 128] [--max-tokens 64] [--submit-jobs 10000] [--no-metrics]
+
+The worker runs with its Prometheus metrics on (``--metrics-port``), scraped every second.
 """
 
 from __future__ import annotations
@@ -52,8 +54,29 @@ def bench_in_process(model: str, convs, params: dict, max_num_seqs: int) -> tupl
     return dt, sum(len(c.token_ids) for o in outs for c in o.outputs), sum(o.metrics.num_cached_tokens for o in outs)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape_every(port: int, seconds: float, stop) -> list[int]:
+    """Scrape the worker's /metrics like a (very eager) Prometheus; returns page sizes."""
+    import urllib.request
+
+    sizes = []
+    while not stop.wait(seconds):
+        try:
+            sizes.append(len(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()))
+        except OSError:
+            sizes.append(0)
+    return sizes
+
+
 def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str | None, db_url: str,
-                workdir: Path) -> dict:
+                workdir: Path, metrics: bool = True) -> dict:
     from worker.client import Client
     from worker.config import Settings
     from worker.local import LocalWorker
@@ -62,7 +85,13 @@ def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str 
     queue = f"gen.bench-{uuid.uuid4().hex[:8]}"
     client = Client(broker_url=broker, database_url=db_url, model=model, queue=queue)
     settings = Settings(broker_url=client.settings.broker_url, database_url=db_url, model=model, queue=queue)
-    worker = LocalWorker(settings, max_num_seqs=max_num_seqs, log_path=str(workdir / "worker.log"))
+    port = free_port()
+    extra = {"SPECBATCH_METRICS_PORT": str(port)} if metrics else {}
+    worker = LocalWorker(settings, max_num_seqs=max_num_seqs, log_path=str(workdir / "worker.log"), extra_env=extra)
+    import threading
+
+    stop_scraping, scrapes = threading.Event(), []
+    scraper = threading.Thread(target=lambda: scrapes.extend(scrape_every(port, 1.0, stop_scraping)), daemon=True)
     try:
         while not client.workers_consuming(queue, timeout=0.5):
             if not worker.alive:
@@ -77,12 +106,15 @@ def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str 
                 fh.write(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
                                      "body": {"messages": conv, **params}}) + "\n")
         env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=queue, REDIS_URL=settings.broker_url)
+        if metrics:
+            scraper.start()
         t0 = time.perf_counter()
         cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", db_url, "run", str(src),
                               "-o", str(workdir / "bench.out.jsonl"), "--model", model, "--no-local-worker",
                               "--batch-name", queue], env=env, capture_output=True, text=True)
         cli_wall = time.perf_counter() - t0
+        stop_scraping.set()
         cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cli_cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
         if res.returncode != 0:
@@ -91,9 +123,12 @@ def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str 
         jobs = client.store.jobs(batch.id)
         window = max(j.finished_at for j in jobs) - min(j.enqueued_at for j in jobs)
         s = summarize(jobs)
+        if metrics:
+            scraper.join(timeout=10)
         return {"window_s": window, "tokens": s["output_tokens"], "cli_wall_s": cli_wall, "cli_cpu_s": cli_cpu,
-                "summary": s}
+                "summary": s, "scrapes": [n for n in scrapes if n]}
     finally:
+        stop_scraping.set()
         worker.stop()
 
 
@@ -126,6 +161,7 @@ def main() -> None:
     ap.add_argument("--database-url", default=None, help="default: a fresh SQLite file")
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--skip-submit", action="store_true")
+    ap.add_argument("--no-metrics", action="store_true", help="run the worker without --metrics-port")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="specbatch-bench-"))
     db_url = args.database_url or f"sqlite:///{workdir / 'bench.db'}"
@@ -140,7 +176,8 @@ def main() -> None:
         inproc = tokens / dt
         print(f"in-process LLM.chat : {args.jobs} jobs, {tokens} tokens in {dt:.2f} s = {inproc:.1f} tok/s "
               f"(prefix-cached prompt tokens {cached})")
-        q = bench_queue(model, convs, params, args.max_num_seqs, args.broker_url, db_url, workdir)
+        q = bench_queue(model, convs, params, args.max_num_seqs, args.broker_url, db_url, workdir,
+                        metrics=not args.no_metrics)
         queued = q["tokens"] / q["window_s"]
         s = q["summary"]
         print(f"specbatch run       : {args.jobs} jobs, {q['tokens']} tokens in {q['window_s']:.2f} s "
@@ -149,6 +186,9 @@ def main() -> None:
         print(f"  queue wait p50 {s['queue_wait_p50'] * 1e3:.0f} ms, TTFT p50 {s['ttft_p50'] * 1e3:.0f} ms "
               f"p95 {s['ttft_p95'] * 1e3:.0f} ms, TPOT p50 {s['tpot_p50'] * 1e3:.1f} ms, max batch {s['max_batch_size']}, "
               f"prefix-cached prompt tokens {s['cached_tokens']}")
+        if not args.no_metrics:
+            print(f"  worker metrics on (--metrics-port), /metrics scraped every 1 s: {len(q['scrapes'])} scrapes "
+                  f"of ~{sum(q['scrapes']) // max(1, len(q['scrapes']))} bytes")
         print(f"ratio queue / in-process: {queued / inproc:.3f}x (target >= 0.9x)")
     if not args.skip_submit:
         r = bench_submit(args.submit_jobs, args.broker_url, db_url)

@@ -82,7 +82,10 @@ class LLMEngine:
         # Called as hook(scheduler_output, step_inputs, logits) after each forward (tests, debugging).
         self.logits_hook = None
         self.last_forward_seconds = 0.0
-        self.stats: dict[str, int] = {"steps": 0, "scheduled_tokens": 0, "sampled_tokens": 0, "max_batch_size": 0}
+        # Cumulative counters (monitoring reads them at any time): prompt_tokens and
+        # cached_prompt_tokens count each request once, when it is first scheduled.
+        self.stats: dict[str, int] = {"steps": 0, "scheduled_tokens": 0, "sampled_tokens": 0, "max_batch_size": 0,
+                                      "last_batch_size": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
 
     # ------------------------------------------------------------- submission
     def make_request(
@@ -304,11 +307,14 @@ class LLMEngine:
         requests_in_step = {item.seq.request.request_id: item.seq.request for item in sched.scheduled}
         batch_size = len(sched.scheduled)
         self.stats["max_batch_size"] = max(self.stats["max_batch_size"], batch_size)
+        self.stats["last_batch_size"] = batch_size
         for request in requests_in_step.values():
             metrics = request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.num_waiting_steps = self.scheduler.num_steps - 1 - request.arrival_step
+                self.stats["prompt_tokens"] += metrics.num_prompt_tokens
+                self.stats["cached_prompt_tokens"] += metrics.num_cached_tokens
             metrics.num_steps += 1
             metrics.max_batch_size = max(metrics.max_batch_size, batch_size)
         try:

@@ -63,7 +63,8 @@ class RequestHandle:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine | None = None, *, factory: Callable[[], LLMEngine] | None = None,
-                 on_death: Callable[[BaseException], None] | None = None) -> None:
+                 on_death: Callable[[BaseException], None] | None = None,
+                 on_step: Callable[[float, int, int], None] | None = None) -> None:
         if (engine is None) == (factory is None):
             raise ValueError("pass an engine or a factory that builds one, not both")
         self.engine = engine
@@ -81,6 +82,9 @@ class EngineLoop:
         self.error: BaseException | None = None
         # Called from the loop thread after a crash, once every pending handle has failed.
         self.on_death = on_death
+        # Called from the loop thread after every step with (seconds, scheduled tokens, batch
+        # size): monitoring observes steps without the engine knowing who watches.
+        self.on_step = on_step
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -88,7 +92,8 @@ class EngineLoop:
 
     @classmethod
     def build(cls, factory: Callable[[], LLMEngine], timeout: float | None = None,
-              on_death: Callable[[BaseException], None] | None = None) -> "EngineLoop":
+              on_death: Callable[[BaseException], None] | None = None,
+              on_step: Callable[[float, int, int], None] | None = None) -> "EngineLoop":
         """Build the engine inside the loop's own thread, then start stepping; raise its load error.
 
         Why: torch's CPU ops run on an OpenMP thread team owned by the calling thread. An engine
@@ -97,7 +102,7 @@ class EngineLoop:
         every small op pays a futex wake-up: steps were ~20% slower on 2 cores (measured). All of
         the engine's torch work in one thread keeps one team.
         """
-        loop = cls(factory=factory, on_death=on_death).start()
+        loop = cls(factory=factory, on_death=on_death, on_step=on_step).start()
         if not loop._ready.wait(timeout):
             raise TimeoutError(f"the engine was not built within {timeout} s")
         if loop.engine is None:
@@ -174,6 +179,7 @@ class EngineLoop:
             **self.engine.stats,
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
+            "preemptions": scheduler.num_preemptions,
             "free_blocks": self.engine.block_manager.num_free_blocks,
             "num_blocks": self.engine.block_manager.num_blocks,
         }
@@ -218,7 +224,7 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     self._wakeup.wait(timeout=0.5)
                     continue
-                for request in self.engine.step():
+                for request in self._step():
                     handle = self._handles.get(request.request_id)
                     if handle is None:
                         continue
@@ -251,6 +257,21 @@ class EngineLoop:
                     self.on_death(self.error)
                 except Exception:
                     log.exception("on_death callback failed")
+
+    def _step(self) -> list:
+        """One engine step, reported to ``on_step`` (a failing observer never stops the loop)."""
+        if self.on_step is None:
+            return self.engine.step()
+        stats = self.engine.stats
+        steps, tokens = stats["steps"], stats["scheduled_tokens"]
+        start = time.perf_counter()
+        changed = self.engine.step()
+        if stats["steps"] > steps:
+            try:
+                self.on_step(time.perf_counter() - start, stats["scheduled_tokens"] - tokens, stats["last_batch_size"])
+            except Exception:
+                log.exception("step observer failed")
+        return changed
 
     def _refuse_queued(self) -> None:
         """Stop accepting and fail what is still queued: nothing steps it any more (a loop that

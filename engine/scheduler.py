@@ -21,12 +21,19 @@ the last of them, so an urgent request usually needs no preemption at all.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 from engine.waiting_queue import WaitingQueue
 
+
+#: Urgent-only steps never take more than this share of the last ``URGENT_ONLY_WINDOW`` steps:
+#: under a stream of urgent work that never lets up (or a machine too slow for it), background
+#: requests still get at least half the steps instead of one in ``urgent_only_steps + 1``.
+URGENT_ONLY_MAX_SHARE = 0.5
+URGENT_ONLY_WINDOW = 128
 
 #: Waiting sequences a step may pass over (siblings, a shared prefix in flight, bulk work at the
 #: reserve) looking for one to admit, so a long queue never costs a scan per step.
@@ -68,6 +75,7 @@ class Scheduler:
         self.reserved_seqs = reserved_seqs if self.priority_policy else 0
         self.urgent_only_steps = urgent_only_steps if self.priority_policy else 0
         self._urgent_streak = 0
+        self._urgent_only_recent: deque[bool] = deque(maxlen=URGENT_ONLY_WINDOW)  # one per step
         self.waiting = WaitingQueue(policy, aging_steps)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -162,15 +170,25 @@ class Scheduler:
 
     def _urgent_only_step(self, best_waiting: int | None) -> bool:
         """With ``urgent_only_steps`` = k, while urgent (priority <= 0) and background requests
-        both run, k steps of every k + 1 leave the background ones out. Where a step's cost
-        grows with its batch (CPUs), urgent requests then decode at small-batch speed and bulk
-        work still advances every (k + 1)-th step; where it hardly grows (GPUs), keep k = 0."""
+        both run, k steps of every k + 1 leave the background ones out, and never more than
+        ``URGENT_ONLY_MAX_SHARE`` of the recent steps. Where a step's cost grows with its batch
+        (CPUs), urgent requests then decode at small-batch speed and bulk work still advances;
+        where it hardly grows (GPUs), keep k = 0."""
+        chosen = self._choose_urgent_only(best_waiting)
+        if self.urgent_only_steps:
+            self._urgent_only_recent.append(chosen)
+        return chosen
+
+    def _choose_urgent_only(self, best_waiting: int | None) -> bool:
         if not self.urgent_only_steps:
             return False
         urgent = (best_waiting is not None and best_waiting <= 0) or any(s.request.priority <= 0 for s in self.running)
         if not urgent or not any(s.request.priority > 0 for s in self.running):
             self._urgent_streak = 0
             return False
+        recent = self._urgent_only_recent
+        if sum(recent) >= URGENT_ONLY_MAX_SHARE * URGENT_ONLY_WINDOW:
+            return False  # the share is spent: background work gets this step too
         if self._urgent_streak < self.urgent_only_steps:
             self._urgent_streak += 1
             return True

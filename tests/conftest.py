@@ -37,3 +37,15 @@ def smol_llm(smollm2_dir):
     from engine import LLM
 
     return LLM(smollm2_dir, device="cpu", max_num_seqs=64)
+
+
+@pytest.fixture
+def browser():
+    """Headless Debian Chromium through selenium (see tests/browser.py); closed after the test."""
+    from tests.browser import chromium
+
+    driver = chromium()
+    try:
+        yield driver
+    finally:
+        driver.quit()

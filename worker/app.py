@@ -1,7 +1,8 @@
 """The Celery app: Redis broker, JSON only, one queue per model, late acks.
 
 Results live in our SQL store, so Celery's result backend is off (``ignore_result``).
-Start Flower with ``celery -A worker.app flower``.
+Start Flower with ``specbatch flower`` (tasks read as jobs, auth enforced beyond loopback) or
+``celery -A worker.app flower``.
 """
 
 from __future__ import annotations

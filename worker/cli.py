@@ -220,7 +220,9 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
 
 # ---- worker ----------------------------------------------------------------------------
 @cli.command()
-@click.option("--device", default=None, help="cpu or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
+@click.option("--device", default=None,
+              help="cpu, cpu:N (a CPU slot: bound to core N, SPECBATCH_CPU_THREADS threads, default 1) "
+                   "or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
 @click.option("--model", default=None)
 @click.option("--queue", default=None,
               help="Queue to consume (default gen.<model-slug>), with its interactive lane <queue>.interactive first.")
@@ -235,9 +237,13 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
               help="On SIGTERM, seconds running jobs get to finish before they go back to the queue (default 30).")
 @click.option("--quantization", default=None, envvar="SPECBATCH_QUANTIZATION", type=click.Choice(["int8"]),
               help="Opt-in int8 linears on the CPU (default: exact fp32/bf16).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, envvar="SPECBATCH_METRICS_PORT",
+              help="Serve Prometheus /metrics on this port (one port per worker process).")
+@click.option("--metrics-address", default=None, envvar="SPECBATCH_METRICS_ADDRESS",
+              help="Address /metrics binds (default 0.0.0.0, for Prometheus in another pod or host).")
 @click.pass_context
 def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
-           drain_timeout, quantization):
+           drain_timeout, quantization, metrics_port, metrics_address):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
     _speculation_env(speculative, draft_model)
     from .lanes import lane_queues
@@ -252,6 +258,10 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
         os.environ["SPECBATCH_MAX_NUM_SEQS"] = str(max_num_seqs)
     if quantization:
         os.environ["SPECBATCH_QUANTIZATION"] = quantization
+    if metrics_port:
+        os.environ["SPECBATCH_METRICS_PORT"] = str(metrics_port)
+    if metrics_address:
+        os.environ["SPECBATCH_METRICS_ADDRESS"] = metrics_address
     if ctx.obj["database_url"]:
         os.environ["SPECBATCH_DATABASE_URL"] = ctx.obj["database_url"]
     from .embedded import ensure_broker_url
@@ -287,60 +297,101 @@ def _speculation_env(speculative: str | None, draft_model: str | None) -> None:
         os.environ["SPECBATCH_DRAFT_MODEL"] = draft_model
 
 
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="FLOWER_PORT", show_default=True)
+@click.option("--address", default="127.0.0.1", envvar="FLOWER_ADDRESS", show_default=True,
+              help="Bind address; anything but loopback needs --basic-auth.")
+@click.option("--basic-auth", default=None, envvar="FLOWER_BASIC_AUTH", help="user:password[,user2:password2].")
+@click.option("--model", "models", multiple=True,
+              help="Show this model's queues on the Broker page (repeatable; default: SPECBATCH_MODEL's).")
+@click.option("--queue", "queues", multiple=True, help="Show this queue and its interactive lane (repeatable).")
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def flower(ctx, port, address, basic_auth, models, queues, flower_args):
+    """Flower for the workers and queues: tasks read as jobs (id, batch, custom_id, summary)."""
+    from .flower import check_exposure, flower_argv
+    from .lanes import lane_queues
+
+    try:
+        other_auth = os.environ.get("FLOWER_AUTH_PROVIDER") or next(
+            (a for a in flower_args if a.startswith(("--auth", "--oauth2"))), None)
+        check_exposure(address, basic_auth, other_auth)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    from kombu import Queue
+
+    from .app import app, configure
+    from .config import queue_name
+    from .embedded import ensure_broker_url
+
+    settings = Settings.resolve(broker_url=ctx.obj["broker_url"])
+    broker = ensure_broker_url(settings.broker_url)
+    configure(broker)
+    names = list(queues) + [queue_name(model) for model in (models or (() if queues else (settings.model,)))]
+    queues = [lane for name in names for lane in lane_queues(name)]
+    app.conf.task_queues = [Queue(q, routing_key=q) for q in queues]
+    app.conf.task_default_queue = queues[-1]
+    console.print(f"flower on http://{address}:{port} (broker {redact_url(broker)}, queues {', '.join(queues)}"
+                  f"{', basic auth' if basic_auth else ''})", soft_wrap=True)
+    app.start(argv=flower_argv(port=port, address=address, basic_auth=basic_auth, extra=flower_args))
+
+
 # ---- status / export / cancel / db -----------------------------------------------------
 @cli.command()
 @click.argument("batch", required=False)
+@click.option("--watch/--once", default=None,
+              help="Refresh live until the batch is done or Ctrl-C (default on a terminal), or print once.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.option("--window", type=click.FloatRange(min=1.0), default=60.0, show_default=True,
+              help="Throughput and ETA over the jobs finished in the last this many seconds.")
 @click.pass_context
-def status(ctx, batch):
-    """Recent batches, or one batch's counts and timings."""
-    from .store import Store
+def status(ctx, batch, watch, interval, window):
+    """Workers and recent batches, or one batch (or job) in detail: progress, throughput, ETA,
+    failures by cause. Printed to stdout; ids are never cut."""
     from .config import database_url_from_env
+    from .status_view import show
+    from .store import Store
 
     url = ctx.obj["database_url"] or database_url_from_env()
     store = Store(url)
-    console.print(f"database {redact_url(url)}", soft_wrap=True)
-    if batch is None:
-        _print_workers(store)
-        table = Table("batch", "name", "model", "total", "queued", "running", "ok", "failed", "cancelled", "finished")
-        for b in store.batches():
-            c = store.refresh_batch(b.id)
-            table.add_row(b.id, b.name or "", b.model, str(sum(c.values())), str(c["queued"]), str(c["running"]),
-                          str(c["succeeded"]), str(c["failed"]), str(c["cancelled"]),
-                          time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.finished_at)) if b.finished_at else "")
-        console.print(table)
-        return
+    out = Console(soft_wrap=False)
+    if not out.is_terminal:  # a pipe or a file: wide enough that no table squeezes an id
+        out = Console(width=max(out.width, 160))
+    b = None
+    if batch is not None:
+        b = store.get_batch(batch)
+        if b is None:
+            job = store.get_job(batch)
+            if job is None:
+                raise click.ClickException(f"no batch or job {batch!r}")
+            from .formats import output_line
+
+            click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
+                       else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts,
+                                        "worker": job.worker}))
+            return  # stdout is the job's JSON alone (pipe it to jq)
+    out.print(f"database {redact_url(url)}", soft_wrap=True)
+    show(store, out, b, watch=out.is_terminal if watch is None else watch, interval=interval, window_s=window)
+
+
+@cli.command()
+@click.argument("batch")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="report.html", show_default=True)
+@click.pass_context
+def report(ctx, batch, output):
+    """Write one self-contained HTML page on BATCH: summary, latency histograms, throughput and
+    batch size over time, draft acceptance, slowest and failed jobs."""
+    from .config import database_url_from_env
+    from .report import write_report
+    from .store import Store
+
+    store = Store(ctx.obj["database_url"] or database_url_from_env())
     b = store.get_batch(batch)
     if b is None:
-        job = store.get_job(batch)
-        if job is None:
-            raise click.ClickException(f"no batch or job {batch!r}")
-        from .formats import output_line
-
-        click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
-                   else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts, "worker": job.worker}))
-        return
-    store.refresh_batch(b.id)
-    console.print(f"batch {b.id} ({b.name}) model {b.model}")
-    _print_summary(store.jobs(b.id), None, None)
-
-
-def _print_workers(store) -> None:
-    """Workers by node name: a crash-looping one shows many starts and failures, its last error."""
-    workers = store.workers()
-    if not workers:
-        return
-    running = store.running_counts_by_worker()
-    now = time.time()
-    table = Table("worker", "device", "queue", "state", "running jobs", "last heartbeat", "starts", "failures",
-                  "last error", title="workers")
-    for w in workers:
-        beat = f"{now - w.heartbeat_at:.0f} s ago" if w.heartbeat_at else "-"
-        state = w.state
-        if w.failures >= 3 and w.state in ("failed", "starting"):
-            state = f"[red]{w.state} (crash loop?)[/]"
-        table.add_row(w.name, w.device or "", w.queue or "", state, str(running.get(w.name, 0)), beat,
-                      str(w.starts), str(w.failures), (w.error or "")[:80])
-    console.print(table)
+        raise click.ClickException(f"no batch {batch!r}")
+    path = write_report(store, b, output)
+    console.print(f"wrote {path} (batch {b.id})", soft_wrap=True)
 
 
 @cli.command()

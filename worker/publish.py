@@ -26,6 +26,18 @@ def payload_of(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row.get(k) for k in JOB_PAYLOAD_FIELDS}
 
 
+def args_repr(row: dict[str, Any]) -> str:
+    """What Flower and ``celery inspect`` show as the task's arguments: where the job comes from
+    (custom_id first: the column is narrow), its line and batch, then its id; never the prompt
+    (large, and maybe private)."""
+    custom_id = row.get("custom_id")
+    if isinstance(custom_id, str) and len(custom_id) > 200:
+        custom_id = custom_id[:200] + "…"
+    parts = [("custom_id", custom_id), ("line", row.get("line_no")), ("batch", row.get("batch_id")),
+             ("job", row["id"])]
+    return " ".join(f"{name}={value!r}" for name, value in parts if value is not None)
+
+
 def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[str, Any]], str], *,
                  retry: bool = True) -> int:
     """Publish one task message per job row; ``queue_of(row)`` names its queue."""
@@ -43,7 +55,7 @@ def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[s
                 queue = queues[qname] = Queue(qname, routing_key=qname)
             message = amqp.create_task_message(
                 row["id"], TASK_NAME, (row["id"], payload_of(row)), {}, create_sent_event=True,
-                ignore_result=True, argsrepr=repr((row["id"],)), kwargsrepr="{}",
+                ignore_result=True, argsrepr=args_repr(row), kwargsrepr="{}",
             )
             amqp.send_task_message(producer, TASK_NAME, message, queue=queue, declare=[queue],
                                    retry=retry, retry_policy=RETRY_POLICY)

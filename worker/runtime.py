@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,24 +30,51 @@ EXIT_ENGINE_BUILD_FAILED = 3
 EXIT_ENGINE_DIED = 4
 EXIT_STORE_UNREACHABLE = 5
 EXIT_STOP_HUNG = 6  # a stop (e.g. Celery's "Unrecoverable error" after a broker loss) never finished
+EXIT_METRICS_PORT = 7  # --metrics-port could not be bound (taken: one port per worker process)
+
+
+_pinned_slot: str | None = None  # the CPU slot this process is bound to, once pinned
 
 
 def pin_device(device: str) -> tuple[str, str]:
-    """Pin this process to ``device`` *before* torch initialises CUDA.
+    """Pin this process to ``device`` *before* torch initialises CUDA or its thread pool.
 
     ``cuda:1`` sets ``CUDA_VISIBLE_DEVICES=1`` so the engine sees that GPU as ``cuda:0``;
-    returns (the device the engine should use, the worker-name prefix, e.g. ``cuda1``).
+    ``cpu:N`` is a CPU slot: the process is bound to core N (``sched_setaffinity``) with
+    ``CPU_THREADS`` torch threads (default 1), so several workers share a host without their
+    thread pools fighting over the same cores. Returns (the device the engine should use, the
+    worker-name prefix, e.g. ``cuda1``).
     """
     device = (device or "cpu").strip().lower()
     if device == "cpu":
         return "cpu", "cpu"
     if device == "cuda":
         device = "cuda:0"
-    if device.startswith("cuda:") and device[5:].isdigit():
-        index = device[5:]
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and index.isdigit():
         os.environ["CUDA_VISIBLE_DEVICES"] = index
         return "cuda:0", f"cuda{index}"
-    raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+    if kind == "cpu" and index.isdigit():
+        global _pinned_slot
+        if _pinned_slot not in (None, device):
+            raise ValueError(f"this process is pinned to {_pinned_slot!r} already, not {device!r}")
+        if _pinned_slot is None:  # idempotent: `specbatch worker` pins, then the runtime again
+            cores = sorted(os.sched_getaffinity(0))
+            if int(index) >= len(cores):
+                raise ValueError(f"device {device!r}: this host has CPU slots cpu:0..cpu:{len(cores) - 1}")
+            os.sched_setaffinity(0, {cores[int(index)]})
+            _pinned_slot = device
+        threads = env("CPU_THREADS", "1")
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = threads
+        if "torch" in sys.modules:  # already imported (tests): its pool is sized already; resize it
+            sys.modules["torch"].set_num_threads(int(threads))
+        return "cpu", f"cpu{index}"
+    raise ValueError(f"device must be 'cpu', 'cpu:N' (a CPU slot) or 'cuda:N', got {device!r}")
+
+
+def is_cpu(device: str | None) -> bool:
+    return (device or "cpu").strip().lower().split(":")[0] == "cpu"
 
 
 def worker_name(device: str, host: str | None = None) -> str:
@@ -68,7 +96,7 @@ def engine_kwargs_from_env() -> dict[str, Any]:
         # On a CPU a step's cost grows with its batch: urgent requests get 16 steps of every 17
         # to themselves while they run (measured: bench/results/priority-cpu.txt); on a GPU a
         # bigger decode batch costs almost nothing more, so they share every step.
-        "urgent_only_steps": int(env("URGENT_ONLY_STEPS", "16" if env("DEVICE", "cpu") == "cpu" else "0")),
+        "urgent_only_steps": int(env("URGENT_ONLY_STEPS", "16" if is_cpu(env("DEVICE", "cpu")) else "0")),
     }
     if env("MAX_NUM_BATCHED_TOKENS"):
         kwargs["max_num_batched_tokens"] = int(env("MAX_NUM_BATCHED_TOKENS"))
@@ -106,7 +134,7 @@ class Runtime:
 
     model: str
     device: str  # what the engine uses ("cpu", "cuda:0")
-    label: str  # what the store records ("cpu", "cuda:1")
+    label: str  # what the store records ("cpu", "cpu:1", "cuda:1")
     llm: Any
     loop: Any
     queue: str = ""  # the model's (bulk) queue; its interactive lane is ``<queue>.interactive``
@@ -115,6 +143,7 @@ class Runtime:
     heartbeat: Any = None  # the process's Heartbeat, started with the first job
     reaper: Any = None  # the process's Reaper (worker processes only)
     pacer: Any = None  # the process's Pacer (worker processes only)
+    metrics: Any = None  # the process's WorkerMetrics when SPECBATCH_METRICS_PORT is set
     draining: bool = False  # warm shutdown began: hand new messages back, give back what is left
     dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
 
@@ -162,15 +191,52 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs: 
         from engine import LLM, EngineLoop
         from engine.model_hub import resolve_model
 
+        set_gil_switch_interval()
         kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
         log.info("loading %s on %s (%s)", model, label, kwargs)
+        metrics = _make_metrics(model, label)
         # The engine is built in the loop's thread: all torch work in one thread (see EngineLoop.build).
         loop = EngineLoop.build(lambda: LLM(resolve_model(model), device=engine_device, **kwargs).engine,
-                                on_death=_on_engine_death)
+                                on_death=_on_engine_death, on_step=metrics.observe_step if metrics else None)
         llm = LLM.from_engine(loop.engine)
         _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop,
-                           queue=env("QUEUE") or queue_name(model))
+                           queue=env("QUEUE") or queue_name(model), metrics=metrics)
         return _runtime
+
+
+def _make_metrics(model: str, label: str) -> Any:
+    """The process's Prometheus metrics when ``METRICS_PORT`` is set (served once the engine is up)."""
+    if not env("METRICS_PORT"):
+        return None
+    from .metrics import WorkerMetrics
+
+    return WorkerMetrics(model=model, worker=_worker_name or worker_name(label),
+                         stats=lambda: _runtime.loop.stats())
+
+
+def serve_metrics(rt: Runtime) -> None:
+    """Expose ``/metrics`` on ``METRICS_ADDRESS:METRICS_PORT``; a taken port ends the worker."""
+    if rt.metrics is None:
+        return
+    port, address = int(env("METRICS_PORT")), env("METRICS_ADDRESS", "0.0.0.0")
+    try:
+        rt.metrics.serve(port, address)
+    except OSError as exc:
+        _record_state("failed", f"metrics port {address}:{port} unavailable: {exc}")
+        _exit(EXIT_METRICS_PORT, f"metrics port {address}:{port} unavailable ({exc}): "
+                                 "give every worker process a port of its own")
+    log.info("metrics on http://%s:%d/metrics", address, port)
+
+
+def set_gil_switch_interval() -> None:
+    """Hand the GIL over within ``GIL_SWITCH_INTERVAL`` seconds (default 1 ms, Python's is 5 ms).
+
+    Why: the engine thread runs Python between torch ops for most of a step, and a task thread's
+    claim gives the GIL up at every database round trip and then waits up to one switch interval
+    to get it back; with the default an urgent job spent ~70 ms between its claim and its first
+    step under a full batch (bench/priority.py's claimed->scheduled), most of it in those waits.
+    """
+    sys.setswitchinterval(float(env("GIL_SWITCH_INTERVAL", "0.001")))
 
 
 def get() -> Runtime:
@@ -193,6 +259,8 @@ def stop(drain_timeout: float = 30.0) -> None:
                 _runtime.reaper.stop()
             if _runtime.pacer is not None:
                 _runtime.pacer.stop()
+            if _runtime.metrics is not None:
+                _runtime.metrics.stop()
             _runtime = None
 
 
@@ -279,6 +347,7 @@ def _load_at_worker_start(sender=None, **_: Any) -> None:
         _exit(EXIT_ENGINE_BUILD_FAILED, f"engine could not be built: {exc!r}")
         return
     _start_maintenance(rt)
+    serve_metrics(rt)
     _record_state("ready")
 
 
@@ -295,12 +364,37 @@ def _start_maintenance(rt: Runtime) -> None:
     rt.pacer = Pacer(store(), app, lane_queues(rt.queue), owner=_worker_name or rt.label).start()
 
 
+def _ready_file() -> str | None:
+    """``READY_FILE``: exists exactly while this worker can take jobs (a Kubernetes exec
+    readiness probe: ``test -f``); written once the model is loaded and the consumer runs."""
+    return env("READY_FILE")
+
+
+@signals.worker_ready.connect
+def _mark_ready(**_: Any) -> None:
+    path = _ready_file()
+    rt = _runtime
+    if path and rt is not None and not (rt.dead or rt.draining):
+        with open(path, "w") as fh:
+            fh.write(f"{os.getpid()} {_worker_name or rt.label} {rt.model}\n")
+
+
+def _unmark_ready() -> None:
+    path = _ready_file()
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _on_engine_death(exc: BaseException) -> None:
     """The loop thread died: stop taking work; task threads give their jobs back (they get
     ``EngineDied``); once they have, exit non-zero so the supervisor restarts us."""
     rt = _runtime
     if rt is not None:
         rt.dead = True
+    _unmark_ready()
     _record_state("failed", f"engine loop died: {exc!r}")
 
     def exit_when_given_back() -> None:
@@ -321,6 +415,7 @@ def _drain_on_shutdown(**_: Any) -> None:
     if rt is None or rt.draining:
         return
     rt.draining = True
+    _unmark_ready()
     _record_state("draining")
     timeout = drain_timeout()
 
@@ -337,5 +432,6 @@ def _drain_on_shutdown(**_: Any) -> None:
 
 @signals.worker_shutdown.connect
 def _drain_at_worker_stop(**_: Any) -> None:
+    _unmark_ready()
     stop(drain_timeout=drain_timeout())
     _record_state("stopped")

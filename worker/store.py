@@ -10,12 +10,14 @@ across threads (Sessions never are).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
-from sqlalchemy import Engine, and_, bindparam, create_engine, delete, event, func, or_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -81,6 +83,8 @@ class Claim:
 
     attempt: int | None
     reason: str = ""
+    enqueued_at: float | None = None  # of a won claim: its queue wait ends now
+    started_at: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -104,6 +108,8 @@ class Store:
     def __init__(self, url: str, *, auto_upgrade: bool | None = None) -> None:
         self.url = normalize_url(url)
         self.engine = make_engine(self.url)
+        # SQLite: this process's writers queue on a lock before BEGIN IMMEDIATE (see _write).
+        self._write_lock = threading.RLock() if make_url(self.url).get_backend_name() == "sqlite" else None
         self.reader = self.engine.execution_options(**{READ_ONLY: True})  # same pool, no write lock
         self.Session = sessionmaker(self.reader, expire_on_commit=False)
         self.dialect = self.engine.dialect.name
@@ -113,6 +119,19 @@ class Store:
             self.upgrade()
 
     # ---- schema ------------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """A write transaction. On SQLite the threads of this process take turns on a lock
+        first: SQLite's busy handler sleeps in growing steps (1, 2, 5, 10 … ms) and so wakes late,
+        and with dozens of task threads writing results a job's claim waited behind them; a
+        lock hands over at once. Other processes (a producer) still meet the busy handler."""
+        if self._write_lock is None:
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self._write_lock, self.engine.begin() as conn:
+            yield conn
+
     def upgrade(self) -> None:
         migrate.upgrade(self.engine)
 
@@ -137,7 +156,7 @@ class Store:
         stmt = self._insert(Job).on_conflict_do_nothing()
         if conn is not None:
             return conn.execute(stmt, list(rows)).rowcount
-        with self.engine.begin() as c:
+        with self._write() as c:
             return c.execute(stmt, list(rows)).rowcount
 
     def add_job(self, row: dict[str, Any]) -> str:
@@ -171,7 +190,7 @@ class Store:
         publishes them a window at a time, round-robin between batches, under ``max_in_flight``.
         """
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             batch_id = None
             if name is not None:
                 batch_id = conn.execute(select(Batch.id).where(Batch.name == name)).scalar()
@@ -212,7 +231,7 @@ class Store:
         for chunk in _chunks(new_rows, INSERT_CHUNK):
             self.upsert_jobs(chunk)
         for chunk in _chunks(requeue_ids, INSERT_CHUNK):
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 # Retried failures go back to queued with fresh attempts (the fence still only
                 # grows); queued/running rows keep their status (a running attempt stays fenced).
                 conn.execute(
@@ -245,9 +264,10 @@ class Store:
         """
         for _ in range(5):
             now = time.time()
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 row = conn.execute(
-                    select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven).where(Job.id == job_id)
+                    select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
+                    .where(Job.id == job_id)
                 ).first()
                 if row is None:
                     if payload is None:
@@ -255,7 +275,7 @@ class Store:
                     # The message carries the payload: recreate a row lost with its database.
                     self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
                     continue
-                status, attempts, heartbeat, forgiven = row
+                status, attempts, heartbeat, forgiven, enqueued_at = row
                 if status in TERMINAL:
                     return Claim(None, f"already {status}")
                 if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
@@ -278,7 +298,7 @@ class Store:
                             queue_wait_s=now - Job.enqueued_at, queue=func.coalesce(queue, Job.queue))
                 )
                 if res.rowcount == 1:
-                    return Claim(attempts + 1)
+                    return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now)
         return Claim(None, "lost the race to another attempt")
 
     def heartbeat(self, job_id: str, attempt: int) -> bool:
@@ -292,7 +312,7 @@ class Store:
         if not attempts:
             return set()
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 update(Job)
                 .where(Job.id == bindparam("job_id"), Job.attempts == bindparam("attempt"), Job.status == RUNNING)
@@ -307,7 +327,7 @@ class Store:
 
     def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
         """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             res = conn.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING)
@@ -332,7 +352,7 @@ class Store:
                                       error=f"given back: {reason}", error_type=None)
         if forgive:
             values["attempts_forgiven"] = Job.attempts_forgiven + 1
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             res = conn.execute(
                 update(Job).where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING).values(**values)
             )
@@ -364,7 +384,7 @@ class Store:
                 if exhausted else
                 dict(status=QUEUED, heartbeat_at=None, recovered_at=now, published_at=now, error=lost)
             )
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 res = conn.execute(
                     update(Job)
                     .where(Job.id == row["id"], Job.status == RUNNING, Job.attempts == row["attempts"],
@@ -403,7 +423,7 @@ class Store:
         if recovered:
             values["recovered_at"] = now
         for chunk in _chunks(list(job_ids), 500):
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 conn.execute(update(Job).where(Job.id.in_(chunk), Job.status == QUEUED).values(**values))
 
     # ---- pacing (worker.pacer) -----------------------------------------------------------
@@ -436,7 +456,7 @@ class Store:
                 .order_by(Job.line_no).limit(limit)
             ).mappings().all()
         if rows:
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 conn.execute(update(Job).where(Job.id.in_([r["id"] for r in rows]), Job.published_at.is_(None))
                              .values(published_at=time.time()))
         return [dict(r) for r in rows]
@@ -452,7 +472,7 @@ class Store:
     def worker_starting(self, name: str, **info: Any) -> None:
         """Record a worker process starting (a restart of the same name counts up ``starts``)."""
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             found = conn.execute(select(Worker.name).where(Worker.name == name)).first()
             values = dict(info, state=W_STARTING, error=None, started_at=now, heartbeat_at=now, stopped_at=None)
             if found is None:
@@ -469,11 +489,11 @@ class Store:
             values["stopped_at"] = now
         if state == W_FAILED:
             values["failures"] = Worker.failures + 1
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(update(Worker).where(Worker.name == name).values(**values))
 
     def worker_beat(self, name: str) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(update(Worker).where(Worker.name == name).values(heartbeat_at=time.time()))
 
     def workers(self) -> list[Worker]:
@@ -495,7 +515,7 @@ class Store:
             cond.append(Job.batch_id == batch_id)
         else:
             cond.append(Job.id.in_(job_ids))
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             rows = conn.execute(select(Job.id, Job.status).where(*cond)).all()
             ids = [r.id for r in rows]
             for chunk in _chunks(ids, 500):
@@ -553,12 +573,108 @@ class Store:
             ).one()
         return {**counts, "output_tokens": tokens or 0, "first_started": first, "last_finished": last}
 
+    # ---- monitoring (worker.status_view, worker.report): aggregates, never whole rows ------
+    def counts_by_batch(self, batch_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """``{batch id: {status: n}}`` for many batches in one grouped query."""
+        out = {b: dict.fromkeys(STATUSES, 0) for b in batch_ids}
+        if not out:
+            return out
+        with self.reader.connect() as conn:
+            rows = conn.execute(select(Job.batch_id, Job.status, func.count()).where(Job.batch_id.in_(list(out)))
+                                .group_by(Job.batch_id, Job.status))
+            for batch_id, status, n in rows:
+                out[batch_id][status] = n
+        return out
+
+    def failures_by_cause(self, batch_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """``{batch id: {error_type: n}}`` of failed jobs (``unknown`` where no type was recorded)."""
+        out: dict[str, dict[str, int]] = {b: {} for b in batch_ids}
+        if not out:
+            return out
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(Job.batch_id, Job.error_type, func.count())
+                .where(Job.batch_id.in_(list(out)), Job.status == FAILED)
+                .group_by(Job.batch_id, Job.error_type)
+            )
+            for batch_id, cause, n in rows:
+                key = cause or "unknown"
+                out[batch_id][key] = out[batch_id].get(key, 0) + n
+        return out
+
+    def finished_stats(self, batch_ids: Sequence[str], since: float) -> dict[str, dict[str, float | None]]:
+        """Per batch, over jobs that ran (were claimed) and ended: how many and their output
+        tokens in all and since ``since``, and the first start and last finish.
+
+        Throughput over a recent window comes from here without reading rows: one grouped
+        aggregate over the batch's index.
+        """
+        out: dict[str, dict[str, float | None]] = {}
+        if not batch_ids:
+            return out
+        recent = Job.finished_at >= since
+        tokens = func.coalesce(Job.num_output_tokens, 0)
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(
+                    Job.batch_id, func.count(), func.coalesce(func.sum(tokens), 0),
+                    func.coalesce(func.sum(case((recent, 1), else_=0)), 0),
+                    func.coalesce(func.sum(case((recent, tokens), else_=0)), 0),
+                    func.min(Job.started_at), func.max(Job.finished_at),
+                )
+                .where(Job.batch_id.in_(list(batch_ids)), Job.status.in_(TERMINAL), Job.started_at.is_not(None))
+                .group_by(Job.batch_id)
+            )
+            for batch_id, jobs, toks, recent_jobs, recent_toks, first, last in rows:
+                out[batch_id] = {"jobs": jobs, "output_tokens": toks, "recent_jobs": recent_jobs,
+                                 "recent_output_tokens": recent_toks, "first_started": first, "last_finished": last}
+        return out
+
+    def recent_latencies(self, batch_id: str, since: float, limit: int = 10_000) -> list[tuple[float | None, float | None]]:
+        """(TTFT, TPOT) of the batch's jobs that succeeded since ``since`` (at most ``limit``)."""
+        with self.reader.connect() as conn:
+            return [tuple(r) for r in conn.execute(
+                select(Job.ttft_s, Job.tpot_s)
+                .where(Job.batch_id == batch_id, Job.status == SUCCEEDED, Job.finished_at >= since).limit(limit)
+            )]
+
+    def iter_job_columns(self, batch_id: str, columns: Sequence[str], chunk: int = 50_000) -> Iterator[list[tuple]]:
+        """The batch's jobs as tuples of only ``columns``, ``chunk`` rows at a time (server-side
+        cursor where the driver has one): a report on a million jobs never reads a prompt."""
+        cols = [getattr(Job, c) for c in columns]
+        with self.reader.connect() as conn:
+            result = conn.execution_options(stream_results=True, yield_per=chunk).execute(
+                select(*cols).where(Job.batch_id == batch_id))
+            for part in result.partitions(chunk):
+                yield [tuple(r) for r in part]
+
+    def slowest_jobs(self, batch_id: str, limit: int = 20) -> list[dict[str, Any]]:
+        """The batch's succeeded jobs with the longest run (claim to result), longest first."""
+        latency = (Job.finished_at - Job.started_at).label("latency_s")
+        q = (select(Job.id, Job.custom_id, Job.line_no, Job.status, latency, Job.queue_wait_s, Job.ttft_s, Job.tpot_s,
+                    Job.num_prompt_tokens, Job.num_output_tokens, Job.worker)
+             .where(Job.batch_id == batch_id, Job.status == SUCCEEDED, Job.started_at.is_not(None),
+                    Job.finished_at.is_not(None))
+             .order_by(latency.desc(), Job.id).limit(limit))
+        with self.reader.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def failed_jobs(self, batch_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        """The batch's failed jobs in input order (at most ``limit``): what the failure said."""
+        latency = (Job.finished_at - Job.started_at).label("latency_s")
+        q = (select(Job.id, Job.custom_id, Job.line_no, Job.status, Job.error_type, Job.error, latency,
+                    Job.num_output_tokens, Job.worker)
+             .where(Job.batch_id == batch_id, Job.status == FAILED)
+             .order_by(Job.line_no, Job.id).limit(limit))
+        with self.reader.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
     def refresh_batch(self, batch_id: str) -> dict[str, int]:
         """Store the batch's counts by status (and finished_at once nothing is left)."""
         counts = self.batch_counts(batch_id)
         values: dict[str, Any] = {f"num_{s}": n for s, n in counts.items()}
         values["num_total"] = sum(counts.values())
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             if counts[QUEUED] == 0 and counts[RUNNING] == 0:
                 values["finished_at"] = func.coalesce(Batch.finished_at, time.time())
             conn.execute(update(Batch).where(Batch.id == batch_id).values(**values))

@@ -68,13 +68,14 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
 
 
 @app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
-def generate(self, job_id: str, payload: dict[str, Any]) -> str:
+def generate(self, job_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Returns a compact summary (Flower shows it as the task's result; the store has the rest)."""
     rt = runtime.get()
     store = runtime.store()
     if not isinstance(payload, dict):  # a hostile message: the job (if any) fails as invalid below
         payload = {"malformed_payload": repr(payload)[:200]}
     if rt.dead or rt.draining:
-        return hand_back(rt, job_id, payload)
+        return task_summary(job_id, payload, hand_back(rt, job_id, payload))
     worker = self.request.hostname or runtime.worker_name(rt.label)
     claim = with_db_retry("claim", lambda: store.claim(
         job_id, worker=worker, device=rt.label, lease_s=lease_seconds(), max_attempts=max_attempts(),
@@ -82,34 +83,67 @@ def generate(self, job_id: str, payload: dict[str, Any]) -> str:
     ))
     if not claim.ok:
         log.info("job %s skipped: %s", job_id, claim.reason)
-        return f"skipped: {claim.reason}"
+        return task_summary(job_id, payload, f"skipped: {claim.reason}")
     attempt = claim.attempt
+    values: dict[str, Any] | None = None
     if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
+        values = {"error_type": "wrong_model", "finished_at": time.time()}
         with_db_retry("fail", lambda: store.fail(
             job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"))
-        return "failed"
-    try:
-        return run_claimed(rt, store, job_id, attempt, payload)
-    except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
-        log.exception("job %s attempt %s crashed in the worker", job_id, attempt)
-        return give_back(rt, store, job_id, attempt, payload, f"worker error: {exc!r}", forgive=False)
+        outcome = FAILED
+    else:
+        try:
+            outcome, values = run_claimed(rt, store, job_id, attempt, payload)
+        except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
+            log.exception("job %s attempt %s crashed in the worker", job_id, attempt)
+            outcome = give_back(rt, store, job_id, attempt, payload, f"worker error: {exc!r}", forgive=False)
+    if rt.metrics is not None:
+        rt.metrics.observe_job(outcome.replace(" ", "_"), values, enqueued_at=claim.enqueued_at,
+                               queue_wait_s=(claim.started_at - claim.enqueued_at) if claim.enqueued_at else None)
+    return task_summary(job_id, payload, outcome, values)
 
 
-def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: dict[str, Any]) -> str:
+def task_summary(job_id: str, payload: dict[str, Any], outcome: str,
+                 values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The task's result as Flower shows it: what happened and the job's key figures, small."""
+    summary: dict[str, Any] = {"status": outcome}
+    if values:
+        drafts = values.get("num_draft_tokens") or 0
+        summary.update(
+            tokens=values.get("num_output_tokens"),
+            ttft_s=_round(values.get("ttft_s")),
+            tpot_s=_round(values.get("tpot_s")),
+            acceptance=round(values.get("num_accepted_tokens", 0) / drafts, 3) if drafts else None,
+            finish_reason=values.get("finish_reason"),
+        )
+        if values.get("error"):
+            summary["error"] = str(values["error"])[:200]
+    summary.update(custom_id=payload.get("custom_id"), job=job_id)
+    return summary
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int,
+                payload: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """Generate a claimed job; return what happened (succeeded, failed, given back, fenced) and
+    the result columns written, if any."""
     from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
 
     request_id = f"{job_id}#{attempt}"
     if rt.dead or rt.draining or not rt.loop.running:
-        return give_back(rt, store, job_id, attempt, payload, "worker stopping", forgive=True)
+        return give_back(rt, store, job_id, attempt, payload, "worker stopping", forgive=True), None
     try:
         req = request_from_payload(payload)
         handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id,
                                 priority=req.priority)
     except ValueError as exc:  # bad input: fail this job only, never retry it
         with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"))
-        return "failed"
+        return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
     except RuntimeError as exc:  # the loop is shutting down or dead
-        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True)
+        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
     rt.inflight[job_id] = request_id
     heartbeat = rt.heartbeats(store, heartbeat_seconds())  # one thread refreshes every job's lease
     heartbeat.track(job_id, attempt, request_id)
@@ -127,7 +161,7 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
             except EngineDied as exc:
                 # Not this job's fault as far as we know; counted, so a job that kills every
                 # engine it meets still ends (attempts exhausted).
-                return give_back(rt, store, job_id, attempt, payload, str(exc), forgive=False)
+                return give_back(rt, store, job_id, attempt, payload, str(exc), forgive=False), None
     finally:
         lost = heartbeat.untrack(job_id)
         rt.inflight.pop(job_id, None)
@@ -135,16 +169,17 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: 
     values = result_values(out, logprobs=req.params.logprobs, pieces=rt.loop.engine.token_bytes.pieces,
                            structured=req.params.structured_outputs)
     if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
-        return give_back(rt, store, job_id, attempt, payload, "drained: the worker is shutting down", forgive=True)
+        return give_back(rt, store, job_id, attempt, payload, "drained: the worker is shutting down",
+                         forgive=True), None
     if aborted_because is not None and values["status"] == SUCCEEDED:
         values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
     elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
         values.update(status=FAILED, error="aborted", error_type="aborted")
     if not with_db_retry("store result", lambda: store.finish(job_id, attempt, values)):
         log.info("job %s attempt %s result refused (cancelled or superseded)", job_id, attempt)
-        return "fenced"
+        return "fenced", values
     log.info("job %s attempt %s stored: %s", job_id, attempt, values["status"])
-    return values["status"]
+    return values["status"], values
 
 
 def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None,

@@ -186,3 +186,23 @@ def test_urgent_only_steps_leave_bulk_out_k_of_every_k_plus_1_steps():
     sched.remove(sched.running[-1] if sched.running[-1].request.request_id == "urgent"
                  else next(s for s in sched.running if s.request.request_id == "urgent"))
     assert all(len(ids(step(sched, max_out=100))) == 3 for _ in range(4))
+
+
+def test_a_stream_of_urgent_work_that_never_lets_up_leaves_bulk_half_the_steps():
+    """k = 16 would give bulk one step in 17 for as long as urgent work runs; the share cap
+    keeps urgent-only steps to at most half of every window of recent steps."""
+    from engine.scheduler import URGENT_ONLY_MAX_SHARE, URGENT_ONLY_WINDOW
+
+    sched = make_sched(max_num_seqs=8, urgent_only_steps=16, num_blocks=4096)
+    sched.add(prio_seq([1, 2, 3], "bulk", BULK))
+    step(sched, max_out=10_000)
+    sched.add(prio_seq([1, 2, 3], "urgent", INTERACTIVE))
+    bulk_ran = []
+    for _ in range(4 * URGENT_ONLY_WINDOW):
+        out = step(sched, max_out=10_000)
+        assert "urgent" in ids(out)
+        bulk_ran.append("bulk" in ids(out))
+    assert bulk_ran[:17] == [False] * 16 + [True]  # k of every k + 1 at first
+    for end in range(URGENT_ONLY_WINDOW, len(bulk_ran) + 1):
+        window = bulk_ran[end - URGENT_ONLY_WINDOW:end]
+        assert window.count(False) <= URGENT_ONLY_MAX_SHARE * URGENT_ONLY_WINDOW

@@ -1,0 +1,241 @@
+"""What ``specbatch status`` shows: workers, and per batch its progress, recent throughput, ETA
+and failures by cause, as rich renderables refreshed in a ``Live`` view or printed once.
+
+Every number is an aggregate query on the store (``Store.counts_by_batch``,
+``finished_stats``, ``failures_by_cause``): a refresh never reads job rows, so watching a
+million-job batch costs the same as watching ten. Throughput is measured over a recent
+window (the last ``window_s`` seconds; a finished batch's whole run), so the ETA follows the
+current pace, not the average since a slow start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from .models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, Batch
+from .store import Store
+from .summary import percentile
+
+DEFAULT_WINDOW_S = 60.0
+
+
+@dataclass(slots=True)
+class BatchView:
+    """One batch's live numbers (rates None while nothing has finished in the window)."""
+
+    id: str
+    name: str | None
+    model: str
+    counts: dict[str, int]
+    failures: dict[str, int] = field(default_factory=dict)
+    output_tokens: int = 0
+    jobs_per_s: float | None = None
+    tokens_per_s: float | None = None
+    window_s: float | None = None
+    finished_at: float | None = None
+    ttft_p50: float | None = None
+    tpot_p50: float | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def done(self) -> int:
+        return self.counts[SUCCEEDED] + self.counts[FAILED] + self.counts[CANCELLED]
+
+    @property
+    def left(self) -> int:
+        return self.counts[QUEUED] + self.counts[RUNNING]
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds to go at the recent pace: 0 when done, None when nothing moves."""
+        if self.left == 0:
+            return 0.0
+        return self.left / self.jobs_per_s if self.jobs_per_s else None
+
+
+@dataclass(slots=True)
+class Snapshot:
+    taken_at: float
+    batches: list[BatchView]
+    workers: list[Any]  # worker.models.Worker rows
+    running_by_worker: dict[str, int]
+
+    @property
+    def active(self) -> bool:
+        return any(b.left for b in self.batches)
+
+
+def batch_views(store: Store, batches: Sequence[Batch], now: float, window_s: float = DEFAULT_WINDOW_S,
+                latencies: bool = False) -> list[BatchView]:
+    """Numbers for ``batches`` in three grouped queries (plus recent latencies if asked)."""
+    ids = [b.id for b in batches]
+    counts = store.counts_by_batch(ids)
+    failures = store.failures_by_cause(ids)
+    stats = store.finished_stats(ids, since=now - window_s)
+    views = []
+    for b in batches:
+        v = BatchView(b.id, b.name, b.model, counts[b.id], failures[b.id], finished_at=b.finished_at)
+        s = stats.get(b.id)
+        if s is not None:
+            v.output_tokens = int(s["output_tokens"] or 0)
+            first, last = s["first_started"], s["last_finished"]
+            if v.left:  # live: the last window_s seconds (or since the first start, if later)
+                span = min(window_s, now - first) if first is not None else None
+                jobs, tokens = s["recent_jobs"], s["recent_output_tokens"]
+            else:  # done: its whole run
+                span = (last - first) if first is not None and last is not None else None
+                jobs, tokens = s["jobs"], s["output_tokens"]
+            if span and span > 0:
+                v.window_s = span
+                v.jobs_per_s = jobs / span
+                v.tokens_per_s = tokens / span
+        if latencies:
+            since = now - window_s if v.left else 0.0
+            rows = store.recent_latencies(b.id, since)
+            v.ttft_p50 = percentile([r[0] for r in rows if r[0] is not None], 50)
+            v.tpot_p50 = percentile([r[1] for r in rows if r[1] is not None], 50)
+        views.append(v)
+    return views
+
+
+def take_snapshot(store: Store, batch: Batch | None = None, *, window_s: float = DEFAULT_WINDOW_S,
+                  limit: int = 20) -> Snapshot:
+    """Workers plus one batch (with its recent latencies) or the ``limit`` newest batches."""
+    now = time.time()
+    batches = [batch] if batch is not None else store.batches(limit)
+    return Snapshot(now, batch_views(store, batches, now, window_s, latencies=batch is not None),
+                    store.workers(), store.running_counts_by_worker())
+
+
+# ---- rendering -----------------------------------------------------------------------------
+def fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def fmt_rate(v: float | None, unit: str, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f} {unit}"
+
+
+def fmt_failures(failures: dict[str, int]) -> str:
+    return ", ".join(f"{cause} {n}" for cause, n in sorted(failures.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+
+
+def workers_table(snap: Snapshot) -> RenderableType | None:
+    """Workers by node name: a crash-looping one shows many starts and failures, its last error
+    (under the table, so the table fits 80 columns)."""
+    if not snap.workers:
+        return None
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
+    table.add_column("worker", no_wrap=True)  # an id: never cut
+    for name in ("device", "queue", "state"):
+        table.add_column(name, overflow="fold")
+    for name in ("running", "heartbeat", "starts", "fails"):
+        table.add_column(name, justify="right", overflow="fold")
+    errors = []
+    for w in snap.workers:
+        beat = f"{snap.taken_at - w.heartbeat_at:.0f} s ago" if w.heartbeat_at else "-"
+        state = Text(w.state)
+        if w.failures >= 3 and w.state in ("failed", "starting"):
+            state = Text(f"{w.state} (crash loop?)", style="red")
+        table.add_row(w.name, w.device or "", w.queue or "", state, str(snap.running_by_worker.get(w.name, 0)), beat,
+                      str(w.starts), str(w.failures))
+        if w.error:
+            errors.append(Text.assemble("  ", (w.name, "bold"), " last error: ", (w.error[:300], "red")))
+    return Group(Text("workers", style="bold"), table, *errors)
+
+
+def batch_line(b: BatchView) -> RenderableType:
+    """One batch in two lines: its whole id and name, then bar, counts, pace, ETA, failures."""
+    head = Text.assemble((b.id, "bold cyan"), f"  {b.name or ''}  ", (f"model {b.model}", "dim"))
+    row = Table.grid(padding=(0, 1))
+    row.add_column(no_wrap=True)
+    row.add_column(no_wrap=True)
+    row.add_column(overflow="fold")
+    pct = 100.0 * b.done / b.total if b.total else 100.0
+    eta = "done" if not b.left else fmt_duration(b.eta_s)
+    facts = (f"{b.done}/{b.total} ({pct:.0f} %)  failed {b.counts[FAILED]}  {fmt_rate(b.jobs_per_s, 'jobs/s', 2)}  "
+             f"{fmt_rate(b.tokens_per_s, 'tok/s')}  ETA {eta}")
+    if b.failures:
+        facts += f"  ({fmt_failures(b.failures)})"
+    row.add_row(" ", ProgressBar(total=max(b.total, 1), completed=b.done, width=20), facts)
+    return Group(head, row)
+
+
+def batches_list(snap: Snapshot) -> RenderableType:
+    if not snap.batches:
+        return Text("no batches", style="dim")
+    return Group(Text("batches", style="bold"), *(batch_line(b) for b in snap.batches))
+
+
+def batch_detail(b: BatchView) -> RenderableType:
+    """One batch in full: a block of short lines that stays readable at 80 columns."""
+    pct = 100.0 * b.done / b.total if b.total else 100.0
+    rows = Table.grid(padding=(0, 2))
+    rows.add_column(style="bold", no_wrap=True)
+    rows.add_column(overflow="fold")
+    c = b.counts
+    rows.add_row("jobs", f"succeeded {c[SUCCEEDED]}  failed {c[FAILED]}  cancelled {c[CANCELLED]}  "
+                         f"running {c[RUNNING]}  queued {c[QUEUED]}")
+    window = "whole run" if not b.left else f"last {fmt_duration(b.window_s)}" if b.window_s else "no job finished yet"
+    rows.add_row("throughput", f"{fmt_rate(b.jobs_per_s, 'jobs/s', 2)}  {fmt_rate(b.tokens_per_s, 'output tok/s')}  "
+                               f"({window})")
+    rows.add_row("output tokens", str(b.output_tokens))
+    rows.add_row("latency p50", f"TTFT {fmt_rate(None if b.ttft_p50 is None else b.ttft_p50 * 1e3, 'ms')}  "
+                                f"TPOT {fmt_rate(None if b.tpot_p50 is None else b.tpot_p50 * 1e3, 'ms', 2)}")
+    rows.add_row("ETA", "done" if not b.left else fmt_duration(b.eta_s) if b.eta_s is not None else "- (nothing finished lately)")
+    rows.add_row("failures", fmt_failures(b.failures))
+    bar = Table.grid(padding=(0, 1))
+    bar.add_column(no_wrap=True)
+    bar.add_column(no_wrap=True)
+    bar.add_row(ProgressBar(total=max(b.total, 1), completed=b.done, width=40), f"{b.done}/{b.total} ({pct:.0f} %)")
+    head = Text.assemble(("batch ", "bold"), (b.id, "bold cyan"), f"  {b.name or ''}  model {b.model}")
+    return Group(head, bar, rows)
+
+
+def render(snap: Snapshot, detail: bool) -> RenderableType:
+    parts: list[RenderableType] = []
+    workers = workers_table(snap)
+    if workers is not None:
+        parts.append(workers)
+    if detail:
+        parts += [batch_detail(b) for b in snap.batches]
+    else:
+        parts.append(batches_list(snap))
+    parts.append(Text(time.strftime("as of %Y-%m-%d %H:%M:%S", time.localtime(snap.taken_at)), style="dim"))
+    return Group(*parts)
+
+
+def show(store: Store, console: Console, batch: Batch | None = None, *, watch: bool = False, interval: float = 1.0,
+         window_s: float = DEFAULT_WINDOW_S) -> None:
+    """Print one snapshot, or refresh it live until the batch is done (Ctrl-C ends it too;
+    without a batch, only Ctrl-C ends it)."""
+    detail = batch is not None
+    snap = take_snapshot(store, batch, window_s=window_s)
+    if not watch:
+        console.print(render(snap, detail))
+        return
+    try:
+        with Live(render(snap, detail), console=console, auto_refresh=False, transient=False) as live:
+            while not (detail and not snap.active):
+                time.sleep(interval)
+                snap = take_snapshot(store, batch, window_s=window_s)
+                live.update(render(snap, detail), refresh=True)
+    except KeyboardInterrupt:
+        pass
