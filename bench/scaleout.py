@@ -5,12 +5,13 @@
 2. A simulated many-host run: N worker processes (tiny model, one thread each, no pinning past
    the host's cores) against one Redis and one PostgreSQL, tiny jobs, N = 1, 2, 4, 8: jobs/s as
    N grows shows where the queue path (claim, result write, message), not the model, is the
-   bottleneck. On a host with fewer cores than N the workers also share cores: the figure is
-   then an upper bound on what one more host would add.
+   bottleneck; the CPU time Redis and PostgreSQL spend per job (read from /proc) says at what
+   rate one core of each would saturate. On a host with fewer cores than N the workers also
+   share cores with each other and with the servers: jobs/s then stops growing for that reason.
 
 Throughput counts from the first job enqueued to the last result stored (the store's times).
 
-    python -m bench.scaleout [--model smollm2|tiny|PATH] [--jobs 64] [--max-tokens 64]
+    python -m bench.scaleout [--model smollm2|tiny|PATH] [--jobs 192] [--max-tokens 64]
                              [--tiny-jobs 2000] [--processes 1,2,4,8] [--database-url URL]
 """
 
@@ -42,6 +43,23 @@ def resolve(model: str, workdir: Path) -> str:
     return model
 
 
+def service_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by this host's Redis and PostgreSQL server processes (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {"redis": 0.0, "postgres": 0.0}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+            name = fields[0].split("(", 1)[1]
+            utime, stime = (int(x) for x in fields[1].split()[11:13])
+        except (OSError, IndexError, ValueError):
+            continue
+        for service in used:
+            if name.startswith("redis-server" if service == "redis" else "postgres"):
+                used[service] += (utime + stime) / tick
+    return used
+
+
 def run_workers(model: str, devices: list[str], lines: list[dict], broker: str, db_url: str, workdir: Path,
                 max_num_seqs: int) -> dict:
     """Start one worker per device on a fresh queue, run ``lines`` through it, stop them."""
@@ -66,8 +84,10 @@ def run_workers(model: str, devices: list[str], lines: list[dict], broker: str, 
         warm = [client.submit(f"warm up {i}", params={"max_tokens": 2}) for i in range(4 * len(devices))]
         for job in warm:
             client.wait(job, timeout=300)
+        services0 = service_cpu_seconds()
         batch = client.submit_batch(lines, name=queue)
         client.wait(batch.batch_id, timeout=3600)
+        services1 = service_cpu_seconds()
         jobs = client.store.jobs(batch.batch_id)
         ok = [j for j in jobs if j.status == "succeeded"]
         window = max(j.finished_at for j in jobs) - min(j.enqueued_at for j in jobs)
@@ -75,7 +95,8 @@ def run_workers(model: str, devices: list[str], lines: list[dict], broker: str, 
         for j in ok:
             per_worker[j.worker] = per_worker.get(j.worker, 0) + 1
         return {"jobs": len(ok), "of": len(lines), "tokens": sum(j.num_output_tokens for j in ok), "seconds": window,
-                "per_worker": sorted(per_worker.values(), reverse=True)}
+                "per_worker": sorted(per_worker.values(), reverse=True),
+                "service_cpu_s": {k: services1[k] - services0[k] for k in services0}}
     finally:
         for w in workers:
             w.stop(timeout=30)
@@ -84,7 +105,7 @@ def run_workers(model: str, devices: list[str], lines: list[dict], broker: str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--jobs", type=int, default=64)
+    ap.add_argument("--jobs", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--tiny-jobs", type=int, default=2000)
@@ -123,8 +144,13 @@ def main() -> None:
                 r = run_workers(model, devices, lines, args.broker, args.database_url, workdir, 32)
                 rate = r["jobs"] / r["seconds"]
                 base = base or rate
+                cpu = r["service_cpu_s"]
+                per_job = {k: 1000 * v / max(1, r["jobs"]) for k, v in cpu.items()}
+                ceiling = 1000 / max(1e-9, max(per_job.values()))
                 print(f"  N={n}: {r['jobs']}/{r['of']} jobs in {r['seconds']:.1f} s = {rate:.0f} jobs/s "
-                      f"({rate / base:.2f}x N=1); jobs per worker {r['per_worker']}", flush=True)
+                      f"({rate / base:.2f}x N=1); jobs per worker {r['per_worker']}; CPU per job: Redis "
+                      f"{per_job['redis']:.2f} ms, PostgreSQL {per_job['postgres']:.2f} ms (one core each caps "
+                      f"the queue path near {ceiling:.0f} jobs/s)", flush=True)
 
 
 if __name__ == "__main__":
