@@ -103,13 +103,19 @@ def test_greedy_is_the_same_with_and_without_forced_drafts(smol_llm, prompts):
         assert float(top[0] - top[1]) < NEAR_TIE, (at, a.outputs[0].text, b.outputs[0].text)
 
 
+def slow_schema(prefix: str, n: int) -> dict:
+    """A schema xgrammar takes seconds to compile (n patterned string properties; ~1.7 s for 100)."""
+    return {"type": "object", "required": [f"{prefix}{i}" for i in range(n)],
+            "properties": {f"{prefix}{i}": {"type": "string", "pattern": f"^w{i}[a-z]{{3,40}}$"} for i in range(n)}}
+
+
 def test_a_grammar_that_fails_or_times_out_fails_alone(smol_llm, prompts):
     # (No forced drafting here: the speculator it builds calibrates for ~1 s at the first
     # grammar, and the timings below are about compilation.)
     llm = engine_like(smol_llm, structured_outputs_timeout_s=1.0, forced_token_drafts=False)
-    # Bounded string lengths in many properties take xgrammar seconds to compile (~4 s here).
-    slow = {"type": "object", "required": [f"k{i}" for i in range(10)],
-            "properties": {f"k{i}": {"type": "string", "maxLength": 50 + i} for i in range(10)}}
+    # Hundreds of patterned properties take xgrammar seconds to compile: ~5 s here with 0.2.8 and
+    # 0.2.9 alike (0.2.9 compiles bounded string lengths, the schema used before, in milliseconds).
+    slow = slow_schema("k", 300)
     good = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs={"json": SCHEMA})
     params = [
         good,
@@ -152,8 +158,9 @@ from engine.structured.params import StructuredOutputsParams
 tok = AutoTokenizer.from_pretrained({smollm2_dir!r})
 compiler = GrammarCompiler(tok, 49152, {{tok.eos_token_id}}, timeout_s=0.5)
 def slow(name):
-    return {{"type": "object", "required": [f"{{name}}{{i}}" for i in range(10)],
-            "properties": {{f"{{name}}{{i}}": {{"type": "string", "maxLength": 50 + i}} for i in range(10)}}}}
+    return {{"type": "object", "required": [f"{{name}}{{i}}" for i in range(100)],
+            "properties": {{f"{{name}}{{i}}": {{"type": "string", "pattern": f"^w{{i}}[a-z]{{{{3,40}}}}$"}}
+                           for i in range(100)}}}}
 xgr_compiler = compiler._compiler()
 start = time.monotonic()  # how long one such compilation takes on this machine now
 xgr_compiler.compile_json_schema(json.dumps(slow("a")))
