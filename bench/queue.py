@@ -26,8 +26,10 @@ import argparse
 import json
 import os
 import resource
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 
@@ -55,8 +57,6 @@ def bench_in_process(model: str, convs, params: dict, max_num_seqs: int) -> tupl
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -88,8 +88,6 @@ def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str 
     port = free_port()
     extra = {"SPECBATCH_METRICS_PORT": str(port)} if metrics else {}
     worker = LocalWorker(settings, max_num_seqs=max_num_seqs, log_path=str(workdir / "worker.log"), extra_env=extra)
-    import threading
-
     stop_scraping, scrapes = threading.Event(), []
     scraper = threading.Thread(target=lambda: scrapes.extend(scrape_every(port, 1.0, stop_scraping)), daemon=True)
     try:
