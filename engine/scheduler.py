@@ -76,6 +76,7 @@ class Scheduler:
         self.urgent_only_steps = urgent_only_steps if self.priority_policy else 0
         self._urgent_streak = 0
         self._urgent_only_recent: deque[bool] = deque(maxlen=URGENT_ONLY_WINDOW)  # one per step
+        self._urgent_only_in_window = 0  # True entries in it, kept as steps come and go
         self.waiting = WaitingQueue(policy, aging_steps)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -176,7 +177,11 @@ class Scheduler:
         where it hardly grows (GPUs), keep k = 0."""
         chosen = self._choose_urgent_only(best_waiting)
         if self.urgent_only_steps:
-            self._urgent_only_recent.append(chosen)
+            recent = self._urgent_only_recent
+            if len(recent) == recent.maxlen:
+                self._urgent_only_in_window -= recent[0]  # about to drop out of the window
+            recent.append(chosen)
+            self._urgent_only_in_window += chosen
         return chosen
 
     def _choose_urgent_only(self, best_waiting: int | None) -> bool:
@@ -186,8 +191,7 @@ class Scheduler:
         if not urgent or not any(s.request.priority > 0 for s in self.running):
             self._urgent_streak = 0
             return False
-        recent = self._urgent_only_recent
-        if sum(recent) >= URGENT_ONLY_MAX_SHARE * URGENT_ONLY_WINDOW:
+        if self._urgent_only_in_window >= URGENT_ONLY_MAX_SHARE * URGENT_ONLY_WINDOW:
             return False  # the share is spent: background work gets this step too
         if self._urgent_streak < self.urgent_only_steps:
             self._urgent_streak += 1
