@@ -317,6 +317,7 @@ class LLMEngine:
                 self.stats["cached_prompt_tokens"] += metrics.num_cached_tokens
             metrics.num_steps += 1
             metrics.max_batch_size = max(metrics.max_batch_size, batch_size)
+        started = time.perf_counter()
         try:
             accepted = self._run_step(sched, list(requests_in_step.values()))
         except Exception as exc:  # recompute the step's requests; fail only one that fails alone
@@ -343,6 +344,8 @@ class LLMEngine:
             recovery.after_probe_step()
         if self.speculator is not None:
             self.speculator.propose([s for s in self.scheduler.running if not s.is_finished])
+        if not probe:
+            self.scheduler.record_step_time(time.perf_counter() - started)
         return list(changed.values())
 
     def _run_step(self, sched: SchedulerOutput, requests: list[Request]) -> list[tuple[Sequence, list[int]]]:

@@ -173,6 +173,10 @@ class EngineLoop:
     def _handles_pending(self) -> bool:
         return bool(self._handles) or not self._inbox.empty()
 
+    def token_pieces(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        """Each token's display text and exact bytes (for logprobs)."""
+        return self.engine.token_bytes.pieces(ids)
+
     def stats(self) -> dict[str, Any]:
         scheduler = self.engine.scheduler
         return {

@@ -241,9 +241,12 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
               help="Serve Prometheus /metrics on this port (one port per worker process).")
 @click.option("--metrics-address", default=None, envvar="SPECBATCH_METRICS_ADDRESS",
               help="Address /metrics binds (default 0.0.0.0, for Prometheus in another pod or host).")
+@click.option("--engine-threads", type=click.IntRange(1, 1024), default=None, envvar="SPECBATCH_ENGINE_THREADS",
+              help="torch threads of the engine process (default: one per core it may use; a CPU slot: 1). "
+                   "On a small CPU host, one fewer than the cores leaves the worker process a core of its own.")
 @click.pass_context
 def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
-           drain_timeout, quantization, metrics_port, metrics_address):
+           drain_timeout, quantization, metrics_port, metrics_address, engine_threads):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
     _speculation_env(speculative, draft_model)
     from .lanes import lane_queues
@@ -262,6 +265,8 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
         os.environ["SPECBATCH_METRICS_PORT"] = str(metrics_port)
     if metrics_address:
         os.environ["SPECBATCH_METRICS_ADDRESS"] = metrics_address
+    if engine_threads:
+        os.environ["SPECBATCH_ENGINE_THREADS"] = str(engine_threads)
     if ctx.obj["database_url"]:
         os.environ["SPECBATCH_DATABASE_URL"] = ctx.obj["database_url"]
     from .embedded import ensure_broker_url

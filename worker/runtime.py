@@ -135,8 +135,7 @@ class Runtime:
     model: str
     device: str  # what the engine uses ("cpu", "cuda:0")
     label: str  # what the store records ("cpu", "cpu:1", "cuda:1")
-    llm: Any
-    loop: Any
+    loop: Any  # an EngineProcess (default) or an EngineLoop: submit / abort / stats / shutdown
     queue: str = ""  # the model's (bulk) queue; its interactive lane is ``<queue>.interactive``
     inflight: dict[str, str] = field(default_factory=dict)  # job id -> engine request id
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -188,20 +187,42 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs: 
         model = model or model_from_env()
         label = device or env("DEVICE", "cpu")
         engine_device, _ = pin_device(label)  # idempotent; `specbatch worker` already did it
-        from engine import LLM, EngineLoop
-        from engine.model_hub import resolve_model
-
         set_gil_switch_interval()
         kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
         log.info("loading %s on %s (%s)", model, label, kwargs)
         metrics = _make_metrics(model, label)
-        # The engine is built in the loop's thread: all torch work in one thread (see EngineLoop.build).
-        loop = EngineLoop.build(lambda: LLM(resolve_model(model), device=engine_device, **kwargs).engine,
-                                on_death=_on_engine_death, on_step=metrics.observe_step if metrics else None)
-        llm = LLM.from_engine(loop.engine)
-        _runtime = Runtime(model=model, device=engine_device, label=label, llm=llm, loop=loop,
+        loop = build_engine_loop(model, engine_device, kwargs, on_death=_on_engine_death,
+                                 on_step=metrics.observe_step if metrics else None)
+        _runtime = Runtime(model=model, device=engine_device, label=label, loop=loop,
                            queue=env("QUEUE") or queue_name(model), metrics=metrics)
         return _runtime
+
+
+def engine_in_own_process() -> bool:
+    """``ENGINE_PROCESS`` (default 1): the engine steps in a child process of its own, where the
+    consumer's and task threads' Python never holds the GIL it needs (see ``engine.process``);
+    0 keeps it in a thread of the worker process."""
+    return env("ENGINE_PROCESS", "1") != "0"
+
+
+def build_engine_loop(model: str, device: str, kwargs: dict[str, Any], **hooks: Any) -> Any:
+    """The running engine: an ``EngineProcess`` or an in-process ``EngineLoop``, one interface.
+
+    Either way the engine is built in the thread that steps it: all torch work in one thread
+    (see ``EngineLoop.build``)."""
+    from functools import partial
+
+    from engine.process import llm_engine
+
+    threads = int(env("ENGINE_THREADS", "0")) or None
+    factory = partial(llm_engine, model, device, kwargs, threads)
+    if engine_in_own_process():
+        from engine.process import EngineProcess
+
+        return EngineProcess.build(factory, **hooks)
+    from engine import EngineLoop
+
+    return EngineLoop.build(factory, **hooks)
 
 
 def _make_metrics(model: str, label: str) -> Any:

@@ -166,7 +166,7 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int,
         lost = heartbeat.untrack(job_id)
         rt.inflight.pop(job_id, None)
     aborted_because = aborted_because or lost
-    values = result_values(out, logprobs=req.params.logprobs, pieces=rt.loop.engine.token_bytes.pieces,
+    values = result_values(out, logprobs=req.params.logprobs, pieces=rt.loop.token_pieces,
                            structured=req.params.structured_outputs)
     if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
         return give_back(rt, store, job_id, attempt, payload, "drained: the worker is shutting down",

@@ -188,21 +188,37 @@ def test_urgent_only_steps_leave_bulk_out_k_of_every_k_plus_1_steps():
     assert all(len(ids(step(sched, max_out=100))) == 3 for _ in range(4))
 
 
-def test_a_stream_of_urgent_work_that_never_lets_up_leaves_bulk_half_the_steps():
+def test_a_stream_of_urgent_work_that_never_lets_up_leaves_bulk_half_the_time():
     """k = 16 would give bulk one step in 17 for as long as urgent work runs; the share cap
-    keeps urgent-only steps to at most half of every window of recent steps."""
-    from engine.scheduler import URGENT_ONLY_MAX_SHARE, URGENT_ONLY_WINDOW
+    keeps urgent-only steps to at most half of every window of recent step *time*: here an
+    urgent-only step takes 10 ms and a full one 50 ms, as on a CPU, so a cap in steps would
+    have bound long before urgent work had half the engine."""
+    from engine.scheduler import URGENT_ONLY_MAX_SHARE, URGENT_ONLY_WINDOW_S
 
+    urgent_s, full_s = 0.01, 0.05
     sched = make_sched(max_num_seqs=8, urgent_only_steps=16, num_blocks=4096)
     sched.add(prio_seq([1, 2, 3], "bulk", BULK))
-    step(sched, max_out=10_000)
+    step(sched, max_out=100_000)
     sched.add(prio_seq([1, 2, 3], "urgent", INTERACTIVE))
-    bulk_ran = []
-    for _ in range(4 * URGENT_ONLY_WINDOW):
-        out = step(sched, max_out=10_000)
+    timeline: list[tuple[float, bool]] = []  # (seconds, urgent-only)
+    while sum(t for t, _ in timeline) < 4 * URGENT_ONLY_WINDOW_S:
+        out = step(sched, max_out=100_000)
         assert "urgent" in ids(out)
-        bulk_ran.append("bulk" in ids(out))
-    assert bulk_ran[:17] == [False] * 16 + [True]  # k of every k + 1 at first
-    for end in range(URGENT_ONLY_WINDOW, len(bulk_ran) + 1):
-        window = bulk_ran[end - URGENT_ONLY_WINDOW:end]
-        assert window.count(False) <= URGENT_ONLY_MAX_SHARE * URGENT_ONLY_WINDOW
+        urgent_only = "bulk" not in ids(out)
+        seconds = urgent_s if urgent_only else full_s
+        sched.record_step_time(seconds)
+        timeline.append((seconds, urgent_only))
+    assert [u for _, u in timeline[:17]] == [True] * 16 + [False]  # k of every k + 1 at first
+    # In every window of URGENT_ONLY_WINDOW_S seconds, urgent-only steps took at most the share
+    # (plus the one step that crossed it).
+    for end in range(len(timeline)):
+        total = urgent = 0.0
+        for seconds, urgent_only in reversed(timeline[:end + 1]):
+            if total + seconds > URGENT_ONLY_WINDOW_S:
+                break
+            total += seconds
+            urgent += seconds if urgent_only else 0.0
+        assert urgent <= URGENT_ONLY_MAX_SHARE * URGENT_ONLY_WINDOW_S + urgent_s
+    # And the cap did bind: bulk got steps beyond one in 17 once the share was spent.
+    late = [u for _, u in timeline[len(timeline) // 2:]]
+    assert late.count(False) / len(late) > 1 / 17 + 0.1

@@ -56,6 +56,31 @@ def wait_until(predicate, timeout: float = 120.0, poll: float = 0.05, what: str 
         time.sleep(poll)
 
 
+def engine_pid(worker_pid: int, timeout: float = 60.0) -> int:
+    """The pid of a worker's engine process (its child running ``engine.process.serve_child``)."""
+    def find() -> int | None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == worker_pid and b"serve_child" in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except (OSError, IndexError, ValueError):
+                continue
+        return None
+
+    return wait_until(find, timeout=timeout, poll=0.1, what=f"the engine process of worker {worker_pid}")
+
+
+def process_gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 class Workers:
     """Start, kill and restart real ``specbatch worker`` processes; stop them all at the end."""
 

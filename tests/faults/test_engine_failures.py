@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import redis
 
-from tests.faults.conftest import stored_results, wait_until
+from tests.faults.conftest import engine_pid, stored_results, wait_until
 from worker.client import Client
 from worker.models import FAILED, QUEUED, SUCCEEDED
 from worker.runtime import EXIT_ENGINE_BUILD_FAILED, EXIT_ENGINE_DIED
@@ -67,6 +68,32 @@ def test_loop_that_dies_gives_jobs_back_and_exits_non_zero(workers):
     assert state.state == "failed" and "engine loop died" in state.error
 
     workers.start()  # the restarted (healthy) worker finishes them
+    counts = client.wait(batch_id, timeout=180)
+    assert counts[SUCCEEDED] == 12, counts
+    assert max(stored_results(workers.logs()).values()) == 1
+
+
+def test_engine_process_killed_mid_batch_gives_jobs_back_and_worker_exits_non_zero(workers):
+    """The OOM killer's way: SIGKILL the worker's engine process (not the worker) mid-batch."""
+    settings = workers.settings
+    client = make_client(settings)
+    slow = {"SPECBATCH_FAULTS": json.dumps({"step_sleep_s": 0.02})}
+    worker = workers.start(env=slow)
+    rows = [{"custom_id": f"j{i}", "prompt": f"job {i}", "max_tokens": 80, "ignore_eos": True, "temperature": 0}
+            for i in range(12)]
+    batch_id = client.submit_batch(rows, name="engine-killed").batch_id
+    wait_until(lambda: any(j.status == "running" for j in client.store.jobs(batch_id)), what="a running job")
+    os.kill(engine_pid(worker.proc.pid), signal.SIGKILL)
+    assert worker.proc.wait(timeout=60) == EXIT_ENGINE_DIED
+    jobs = client.store.jobs(batch_id)
+    assert not [j for j in jobs if j.status == FAILED], [(j.custom_id, j.error) for j in jobs if j.status == FAILED]
+    given_back = [j for j in jobs if j.attempts >= 1 and j.status != SUCCEEDED]
+    assert given_back and all(j.status == QUEUED for j in given_back)  # back at once, not after a lease
+    assert all("engine process exited unexpectedly" in (j.error or "") for j in given_back)
+    (state,) = [w for w in client.store.workers() if w.name == worker.node]
+    assert state.state == "failed" and "engine" in state.error
+
+    workers.start(env=slow)  # the restarted worker finishes them
     counts = client.wait(batch_id, timeout=180)
     assert counts[SUCCEEDED] == 12, counts
     assert max(stored_results(workers.logs()).values()) == 1

@@ -8,7 +8,7 @@ import random
 import signal
 import time
 
-from tests.faults.conftest import LEASE, SWEEP, stored_results, wait_until
+from tests.faults.conftest import LEASE, SWEEP, engine_pid, process_gone, stored_results, wait_until
 from worker.client import Client
 from worker.models import RUNNING, SUCCEEDED
 
@@ -30,9 +30,12 @@ def test_sigkill_five_times_every_job_once(workers):
     for _ in range(5):
         time.sleep(rng.uniform(1.0, 3.0))
         victim = rng.choice(pool)
+        engine = engine_pid(victim.proc.pid)
         killed_at = time.time()
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait()
+        # Its engine process goes with it (it exits when its pipe to the worker closes).
+        wait_until(lambda: process_gone(engine), timeout=15, what="the killed worker's engine process to exit")
         orphaned = {j.id: j.attempts for j in client.store.jobs(batch_id, statuses=[RUNNING])
                     if j.worker == victim.node}
         victim.keep_alive()  # the supervisor restarts it (after its backoff)

@@ -1,0 +1,437 @@
+"""``EngineProcess``: the engine loop in a child process of its own, driven over a pipe.
+
+Why: in a worker the Celery consumer, the task threads and the store's writes run Python in the
+same process as the engine, and every torch op releases the GIL and then waits to get it back.
+Measured on 2 CPU cores (bench/results/priority-cpu.txt): an interactive job's batch-1 steps took
+~10 ms under a bulk run instead of ~3.5 ms, with the consumer thread holding the GIL 14% of the
+time. vLLM V1 moved its EngineCore out of the API server's process for the same reason.
+
+The child runs an ordinary ``EngineLoop``; this class mirrors that loop's interface (``submit``,
+``abort``, ``stats``, ``shutdown``, ``running``, ``on_death``, ``on_step``) so callers do not
+care which one they hold. Differences: handles resolve with the final output only (no token
+stream), step observations arrive in batches a fraction of a second late, and the factory must
+be picklable (the child is spawned, not forked: a fork of a process with threads is unsafe).
+
+Life and death: the child ignores SIGINT/SIGTERM (a Ctrl-C or a systemd stop reaches the whole
+group; the worker drains and then stops its engine), and exits as soon as its pipe closes, so a
+worker killed with SIGKILL never leaves an engine holding memory. A child that dies (crash,
+OOM killer) fails every pending request with ``EngineDied`` and calls ``on_death`` once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from engine.loop import EngineDied
+
+log = logging.getLogger(__name__)
+
+#: How often the child sends the step observations it has gathered.
+STEP_FLUSH_SECONDS = 0.25
+#: How long a control round trip (submit, stats) may take before the engine is presumed stuck.
+REPLY_TIMEOUT_SECONDS = 60.0
+
+
+class ProcessRequestHandle:
+    """A request submitted to the engine process: a future for its final output."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.future: Future = Future()
+
+    def result(self, timeout: float | None = None):
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class EngineProcess:
+    """Parent side: sends commands to the child and resolves handles from its replies."""
+
+    def __init__(self, factory: Callable[[], Any], *,
+                 on_death: Callable[[BaseException], None] | None = None,
+                 on_step: Callable[[float, int, int], None] | None = None) -> None:
+        self._factory = factory
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self.on_death = on_death
+        self.on_step = on_step
+        self.error: BaseException | None = None
+        self.info: dict[str, Any] = {}
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._handles: dict[str, ProcessRequestHandle] = {}
+        self._replies: dict[str, Future] = {}
+        self._tokens = itertools.count()
+        self._ready: Future = Future()
+        self._accepting = True
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="specbatch-engine-reader", daemon=True)
+
+    @classmethod
+    def build(cls, factory: Callable[[], Any], timeout: float | None = None,
+              on_death: Callable[[BaseException], None] | None = None,
+              on_step: Callable[[float, int, int], None] | None = None) -> "EngineProcess":
+        """Start the child, build the engine there and wait until it steps; raise its load error."""
+        engine = cls(factory, on_death=on_death, on_step=on_step)
+        engine._launch()
+        try:
+            engine.info = engine._ready.result(timeout)
+        except BaseException:
+            engine._kill()
+            raise
+        return engine
+
+    def _launch(self) -> None:
+        """A fresh interpreter (``python -c``), not ``multiprocessing``'s spawn: spawn re-runs the
+        parent's ``__main__``, and a worker's main module is not ours to guard."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        code = f"from engine.process import serve_child; serve_child({theirs.fileno()})"
+        self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=False)
+        theirs.close()  # the child holds its end; ours must close for EOF to reach us
+        self._conn = Connection(ours.detach())
+        self._send(("build", self._factory, self.on_step is not None))
+        self._reader.start()
+
+    # ------------------------------------------------------------ any thread
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    @property
+    def running(self) -> bool:
+        return self.error is None and not self._stopped.is_set() and self._alive()
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def died(self) -> bool:
+        return self.error is not None
+
+    def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
+               params: Any = None, request_id: str | None = None, arrival_time: float | None = None,
+               cache_salt: str | None = None, priority: int = 0) -> ProcessRequestHandle:
+        """Validate and queue a request in the child; bad input raises ``ValueError`` here."""
+        if not self._accepting or self.error is not None:
+            raise RuntimeError("the engine is shutting down" if self.error is None
+                               else f"the engine died: {self.error!r}")
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        handle = ProcessRequestHandle(request_id)
+        reply: Future = Future()
+        with self._lock:
+            if request_id in self._handles:
+                raise ValueError(f"request {request_id!r} is already running")
+            self._handles[request_id] = handle
+            self._replies[request_id] = reply
+        args = dict(prompt=prompt, messages=messages, params=params, request_id=request_id,
+                    arrival_time=arrival_time or time.time(), cache_salt=cache_salt, priority=priority)
+        try:
+            self._send(("submit", request_id, args))
+            reply.result(REPLY_TIMEOUT_SECONDS)
+        except BaseException:
+            with self._lock:
+                self._handles.pop(request_id, None)
+                self._replies.pop(request_id, None)
+            raise
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except (OSError, RuntimeError):  # gone: its requests are failed by the reader
+            pass
+
+    def stats(self) -> dict[str, Any]:
+        return self._ask("stats")
+
+    def token_pieces(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        """Each token's display text and exact bytes (for logprobs), from the child's tokenizer."""
+        return self._ask("pieces", list(ids))
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop accepting, let running requests finish for up to ``drain_timeout``, abort the rest,
+        then end the child."""
+        self._accepting = False
+        self._stopping = True
+        if self._alive() and self.error is None:
+            try:
+                self._send(("shutdown", drain_timeout))
+                self._stopped.wait(drain_timeout + 30.0)
+            except (OSError, RuntimeError):
+                pass
+        self._wait(10.0)
+        self._kill()
+        self._reader.join(timeout=5.0)
+        self._fail_pending(RuntimeError("engine loop stopped"))
+
+    # ----------------------------------------------------------------- parent
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError) as exc:  # ValueError: the connection is closed
+                raise RuntimeError(f"the engine process is gone: {exc!r}") from exc
+
+    def _ask(self, kind: str, *args: Any) -> Any:
+        if self.error is not None or self._stopped.is_set():
+            raise RuntimeError("the engine process is not running")
+        token = f"?{next(self._tokens)}"
+        reply: Future = Future()
+        with self._lock:
+            self._replies[token] = reply
+        try:
+            self._send((kind, token, *args))
+            return reply.result(REPLY_TIMEOUT_SECONDS)
+        finally:
+            with self._lock:
+                self._replies.pop(token, None)
+
+    def _read(self) -> None:
+        """The reader thread: resolve replies and handles until the child's end closes."""
+        died: str | None = None
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "output":
+                    with self._lock:
+                        handle = self._handles.pop(message[1], None)
+                    if handle is not None and not handle.done():
+                        handle.future.set_result(message[2])
+                elif kind == "failed":
+                    with self._lock:
+                        handle = self._handles.pop(message[1], None)
+                    if handle is not None and not handle.done():
+                        handle.future.set_exception(message[2])
+                elif kind in ("accepted", "rejected", "reply"):
+                    with self._lock:
+                        reply = self._replies.pop(message[1], None)
+                        if kind == "rejected":
+                            self._handles.pop(message[1], None)
+                    if reply is not None:
+                        if kind == "rejected":
+                            reply.set_exception(message[2])
+                        else:
+                            reply.set_result(message[2] if kind == "reply" else None)
+                elif kind == "steps":
+                    self._observe_steps(message[1])
+                elif kind == "ready":
+                    self._ready.set_result(message[1])
+                elif kind == "build_failed":
+                    self._ready.set_exception(RuntimeError(f"building the engine failed: {message[1]}"))
+                elif kind == "died":
+                    died = message[1]
+                elif kind == "stopped":
+                    self._stopped.set()
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._on_child_gone(died)
+
+    def _observe_steps(self, steps: list[tuple[float, int, int]]) -> None:
+        if self.on_step is None:
+            return
+        for seconds, tokens, batch in steps:
+            try:
+                self.on_step(seconds, tokens, batch)
+            except Exception:
+                log.exception("step observer failed")
+                return
+
+    def _on_child_gone(self, died: str | None) -> None:
+        self._accepting = False
+        code = self._wait(2.0)
+        if not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"the engine process exited while building (exit code {code})"))
+            return
+        if self._ready.exception() is not None:  # it never ran: build() raises, nothing died
+            return
+        if self._stopping and died is None:
+            self._stopped.set()
+            self._fail_pending(RuntimeError("engine loop stopped"))
+            return
+        self.error = EngineDied(f"engine loop died: {died}" if died else
+                                f"the engine process exited unexpectedly (exit code {code})")
+        log.error("%s", self.error)
+        self._fail_pending(self.error)
+        if self.on_death is not None:
+            try:
+                self.on_death(self.error)
+            except Exception:
+                log.exception("on_death callback failed")
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        with self._lock:
+            pending = list(self._handles.values()) + list(self._replies.values())
+            self._handles.clear()
+            self._replies.clear()
+        for item in pending:
+            future = item.future if isinstance(item, ProcessRequestHandle) else item
+            if not future.done():
+                future.set_exception(exc)
+
+    def _wait(self, timeout: float) -> int | None:
+        """The child's exit code once it has exited (within ``timeout``), else None."""
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _kill(self) -> None:
+        if self._alive():
+            self._process.kill()
+            self._wait(5.0)
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------- child
+class _Sender:
+    """The child's one way back: a lock around the pipe (the loop thread and the command thread
+    both send) and the step observations gathered between flushes."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.steps: list[tuple[float, int, int]] = []
+
+    def send(self, message: tuple) -> None:
+        with self.lock:
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError):  # the worker is gone
+                os._exit(0)
+
+    def observe_step(self, seconds: float, tokens: int, batch: int) -> None:
+        self.steps.append((seconds, tokens, batch))
+
+    def flush_steps_forever(self) -> None:
+        while True:
+            time.sleep(STEP_FLUSH_SECONDS)
+            if self.steps:
+                steps, self.steps = self.steps, []
+                self.send(("steps", steps))
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """The exception itself when it crosses a pipe intact, else a ``RuntimeError`` naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(repr(exc))
+
+
+def _forward(sender: _Sender, request_id: str, future: Future) -> None:
+    exc = future.exception()
+    if exc is None:
+        try:
+            sender.send(("output", request_id, future.result()))
+            return
+        except Exception as pickling:  # an output that does not pickle fails its request only
+            exc = RuntimeError(f"the request's output could not be sent: {pickling!r}")
+    sender.send(("failed", request_id, _picklable(exc)))
+
+
+def serve_child(fd: int) -> None:
+    """The engine process's entry point: the socket ``fd`` carries a ``("build", factory,
+    observe_steps)`` message first, then commands until shutdown or until it closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("SPECBATCH_ENGINE_LOG_LEVEL", "INFO"),
+                        format="[%(asctime)s: %(levelname)s/engine %(process)d] %(name)s: %(message)s")
+    conn = Connection(fd)
+    try:
+        _, factory, observe_steps = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    except BaseException as exc:  # the factory did not unpickle here
+        conn.send(("build_failed", repr(exc)))
+        return
+    _serve(conn, factory, observe_steps)
+
+
+def _serve(conn: Connection, factory: Callable[[], Any], observe_steps: bool) -> None:
+    from engine.loop import EngineLoop
+
+    sender = _Sender(conn)
+
+    def on_death(exc: BaseException) -> None:
+        sender.send(("died", repr(exc)))
+        os._exit(1)
+
+    try:
+        loop = EngineLoop.build(factory, on_death=on_death,
+                                on_step=sender.observe_step if observe_steps else None)
+    except BaseException as exc:  # EngineLoop.build wraps the factory's error: send that one
+        sender.send(("build_failed", repr(exc.__cause__ or exc)))
+        return
+    if observe_steps:
+        threading.Thread(target=sender.flush_steps_forever, name="specbatch-step-flush", daemon=True).start()
+    sender.send(("ready", {"pid": os.getpid()}))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the worker is gone: nobody is left to answer
+            os._exit(0)
+        kind = message[0]
+        if kind == "submit":
+            _, request_id, args = message
+            try:
+                handle = loop.submit(**args)
+            except BaseException as exc:
+                sender.send(("rejected", request_id, _picklable(exc)))
+                continue
+            sender.send(("accepted", request_id))
+            handle.future.add_done_callback(lambda future, rid=request_id: _forward(sender, rid, future))
+        elif kind == "abort":
+            loop.abort(message[1])
+        elif kind in ("stats", "pieces"):
+            try:
+                value = loop.stats() if kind == "stats" else loop.engine.token_bytes.pieces(message[2])
+                sender.send(("reply", message[1], value))
+            except BaseException as exc:
+                sender.send(("rejected", message[1], _picklable(exc)))
+        elif kind == "shutdown":
+            loop.shutdown(drain_timeout=message[1])
+            sender.send(("stopped",))
+            conn.close()
+            return
+
+
+def llm_engine(model: str, device: str, kwargs: dict[str, Any], threads: int | None = None) -> Any:
+    """A picklable engine factory: resolve ``model`` (an alias, a GGUF file, a directory) and
+    build its ``LLMEngine`` with the ``LLM`` keyword arguments ``kwargs``; ``threads`` sets
+    torch's intra-op threads first (in the thread that will step the engine: its OpenMP team)."""
+    from engine.llm import LLM
+    from engine.model_hub import resolve_model
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return LLM(resolve_model(model), device=device, **kwargs).engine
