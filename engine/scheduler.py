@@ -15,12 +15,15 @@ Priorities (``scheduling_policy="priority"``, vLLM's): the waiting queue is orde
 the most urgent waiting one are scheduled after the waiting ones, so a new urgent request gets
 this step's budget; when it cannot be admitted for want of blocks or sequence slots, the
 lowest-priority, most recently admitted running sequence is preempted (recomputed later).
-``reserved_seqs`` slots are kept for priority <= 0: background work (priority > 0) never fills
-the last of them, so an urgent request usually needs no preemption at all.
+``reserved_seqs`` slots are kept for priority <= 0 while urgent work is about (an urgent request
+arrived within ``URGENT_RESERVE_HOLD_S``): background work (priority > 0) never fills the last of
+them, so an urgent request usually needs no preemption at all; a run with no urgent work keeps
+its whole batch (the first urgent request after a quiet spell preempts, losslessly).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,6 +40,8 @@ from engine.waiting_queue import WaitingQueue
 #: the time) and made urgent jobs wait a full-batch step for every token. A share of the
 #: engine's own step time is not fooled by a busy machine: both kinds of step slow down alike.
 URGENT_ONLY_MAX_SHARE = 0.5
+#: The reserve of sequence slots holds for this long after the last urgent request arrived.
+URGENT_RESERVE_HOLD_S = 120.0
 URGENT_ONLY_WINDOW_S = 10.0
 
 #: Waiting sequences a step may pass over (siblings, a shared prefix in flight, bulk work at the
@@ -79,6 +84,7 @@ class Scheduler:
         self.reserved_seqs = reserved_seqs if self.priority_policy else 0
         self.urgent_only_steps = urgent_only_steps if self.priority_policy else 0
         self._urgent_streak = 0
+        self._urgent_seen_at: float | None = None  # time.monotonic() of the last urgent arrival
         self._last_urgent_only = False  # whether the step being run was urgent-only
         self._recent_steps: deque[tuple[float, bool]] = deque()  # (seconds, urgent-only), newest last
         self._recent_seconds = 0.0  # their total and the urgent-only part, kept as steps come and go
@@ -93,6 +99,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         if seq.index == 0 and seq.request.metrics.first_scheduled_time is None:
             seq.request.arrival_step = self.num_steps
+        if seq.request.priority <= 0:
+            self._urgent_seen_at = time.monotonic()
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -245,7 +253,12 @@ class Scheduler:
 
     def _seq_limit(self, seq: Sequence) -> int:
         """How many sequences may run once ``seq`` is admitted (background work leaves a reserve)."""
-        return self.max_num_seqs - (self.reserved_seqs if seq.request.priority > 0 else 0)
+        return self.max_num_seqs - (self.reserved_seqs if seq.request.priority > 0 and self.reserve_active() else 0)
+
+    def reserve_active(self) -> bool:
+        """Whether the reserve holds: an urgent request arrived within ``URGENT_RESERVE_HOLD_S``."""
+        return (self.reserved_seqs > 0 and self._urgent_seen_at is not None
+                and time.monotonic() - self._urgent_seen_at < URGENT_RESERVE_HOLD_S)
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput, only_urgent: bool = False) -> int:
         bm = self.block_manager

@@ -78,15 +78,30 @@ def test_urgent_waiting_requests_get_the_token_budget_before_less_urgent_running
     assert ids(out) == ["urgent", "bulk"] and out.num_tokens == 16
 
 
-def test_reserved_slots_are_left_to_urgent_requests():
+def test_reserved_slots_are_left_to_urgent_requests_while_urgent_work_is_about(monkeypatch):
+    import engine.scheduler as scheduler_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
     sched = make_sched(max_num_seqs=4, reserved_seqs=1)
     for i in range(6):
         sched.add(prio_seq([1, 2, 3], f"bulk{i}", BULK))
-    step(sched)
-    assert len(sched.running) == 3  # background work leaves one slot free
+    step(sched, max_out=100)
+    assert len(sched.running) == 4  # no urgent work yet: bulk has the whole batch
+    sched.add(prio_seq([1, 2, 3], "urgent0", INTERACTIVE))
+    out = step(sched, max_out=100)
+    assert "urgent0" in ids(out) and [s.request.request_id for s in out.preempted] == ["bulk3"]
+    sched.remove(next(s for s in sched.running if s.request.request_id == "urgent0"))
+    step(sched, max_out=100)
+    assert len(sched.running) == 3  # urgent work is about: background work leaves one slot free
     sched.add(prio_seq([1, 2, 3], "urgent", INTERACTIVE))
-    out = step(sched)
+    out = step(sched, max_out=100)
     assert "urgent" in ids(out) and not out.preempted and len(sched.running) == 4
+    # A quiet spell longer than the hold gives bulk the slot back.
+    sched.remove(next(s for s in sched.running if s.request.request_id == "urgent"))
+    clock[0] += scheduler_module.URGENT_RESERVE_HOLD_S + 1
+    step(sched, max_out=100)
+    assert len(sched.running) == 4 and not sched.reserve_active()
 
 
 def test_aging_bounds_a_bulk_requests_wait_under_a_steady_urgent_stream():
