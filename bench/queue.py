@@ -96,7 +96,8 @@ def bench_queue(model: str, convs, params: dict, max_num_seqs: int, broker: str 
                 raise SystemExit((workdir / "worker.log").read_text()[-3000:])
             time.sleep(0.3)
         # warm the worker's engine like the in-process run was warmed
-        warm = client.submit(messages=convs[0], params={"max_tokens": 4}, model=model)
+        # A bulk job: an interactive one would hold the engine's slot reserve for the run.
+        warm = client.submit(messages=convs[0], params={"max_tokens": 4}, model=model, priority="bulk")
         client.wait(warm, timeout=120)
         src = workdir / "bench.jsonl"
         with open(src, "w") as fh:
