@@ -22,6 +22,20 @@ from pathlib import Path
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
+def fresh_pg_schema() -> str:
+    """A schema of this run's own in the PostgreSQL database, migrated (``specbatch db upgrade``)."""
+    import psycopg
+
+    from worker.store import Store
+
+    schema = f"bench_tiny_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_URL.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
+    Store(url, auto_upgrade=True).dispose()
+    return url
+
+
 def make_model(workdir: Path) -> str:
     from engine.testing import make_tiny_model
 
@@ -94,10 +108,7 @@ def main() -> None:
               flush=True)
         for db in args.databases.split(","):
             local = in_process(model, convs, args.max_num_seqs)
-            if db == "sqlite":
-                url = f"sqlite:///{workdir / 'tiny.db'}"
-            else:
-                url = PG_URL
+            url = f"sqlite:///{workdir / 'tiny.db'}" if db == "sqlite" else fresh_pg_schema()
             q = through_queue(model, convs, args.max_num_seqs, url, workdir)
             print(f"[{db}] in process {local:.1f} jobs/s; queue {q['jobs_s']:.1f} jobs/s "
                   f"({q['window_s']:.1f} s first enqueue -> last result, {q['counts']}): "

@@ -292,7 +292,7 @@ def store():
         if _store is None:
             from .store import Store
 
-            _store = Store(database_url_from_env())
+            _store = Store(database_url_from_env(), group_commit=True)
         return _store
 
 

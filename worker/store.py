@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from sqlalchemy import Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select, update
 from sqlalchemy.engine import make_url
@@ -23,8 +23,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate
 from .config import env
+from .group_commit import GroupCommit
 from .models import (CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, W_FAILED, W_STARTING,
                      W_STOPPED, Batch, Job, Worker)
+
+T = TypeVar("T")
 
 INVALID_INPUT = "invalid_input"  # error_type of a bad input line (never enqueued)
 
@@ -105,7 +108,8 @@ JOB_PAYLOAD_FIELDS = ("id", "model", "endpoint", "prompt", "prompt_token_ids_in"
 
 
 class Store:
-    def __init__(self, url: str, *, auto_upgrade: bool | None = None) -> None:
+    def __init__(self, url: str, *, auto_upgrade: bool | None = None, group_commit: bool = False) -> None:
+        """``group_commit``: claims and results of many threads share transactions (a worker)."""
         self.url = normalize_url(url)
         self.engine = make_engine(self.url)
         # SQLite: this process's writers queue on a lock before BEGIN IMMEDIATE (see _write).
@@ -117,6 +121,7 @@ class Store:
             auto_upgrade = self.dialect == "sqlite" or env("AUTO_MIGRATE", "0") == "1"
         if auto_upgrade and not migrate.is_current(self.engine):
             self.upgrade()
+        self._group = GroupCommit(self._write) if group_commit else None
 
     # ---- schema ------------------------------------------------------------------------
     @contextmanager
@@ -262,43 +267,47 @@ class Store:
 
         Compare-and-swap on (status, attempts): of two copies racing, exactly one wins.
         """
+        return self._write_op(lambda conn: self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
+                                                       max_attempts=max_attempts, payload=payload, queue=queue))
+
+    def _claim(self, conn: Connection, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
+               payload: dict[str, Any] | None, queue: str | None) -> Claim:
         for _ in range(5):
             now = time.time()
-            with self._write() as conn:
-                row = conn.execute(
-                    select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
-                    .where(Job.id == job_id)
-                ).first()
-                if row is None:
-                    if payload is None:
-                        return Claim(None, "unknown job")
-                    # The message carries the payload: recreate a row lost with its database.
-                    self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
-                    continue
-                status, attempts, heartbeat, forgiven, enqueued_at = row
-                if status in TERMINAL:
-                    return Claim(None, f"already {status}")
-                if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
-                    # Safe to drop this copy: if that attempt dies, the lease reaper re-publishes.
-                    return Claim(None, "running in another live attempt")
-                if attempts - (forgiven or 0) >= max_attempts:
-                    conn.execute(
-                        update(Job)
-                        .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
-                        .values(status=FAILED, finished_at=now, error_type="attempts_exhausted",
-                                error=f"gave up after {attempts - (forgiven or 0)} attempts: each one's worker "
-                                      "died or lost its lease mid-job")
-                    )
-                    return Claim(None, "attempts exhausted")
-                res = conn.execute(
+            row = conn.execute(
+                select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
+                .where(Job.id == job_id)
+            ).first()
+            if row is None:
+                if payload is None:
+                    return Claim(None, "unknown job")
+                # The message carries the payload: recreate a row lost with its database.
+                self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
+                continue
+            status, attempts, heartbeat, forgiven, enqueued_at = row
+            if status in TERMINAL:
+                return Claim(None, f"already {status}")
+            if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
+                # Safe to drop this copy: if that attempt dies, the lease reaper re-publishes.
+                return Claim(None, "running in another live attempt")
+            if attempts - (forgiven or 0) >= max_attempts:
+                conn.execute(
                     update(Job)
                     .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
-                    .values(status=RUNNING, attempts=attempts + 1, worker=worker, device=device,
-                            started_at=now, heartbeat_at=now, error=None, error_type=None,
-                            queue_wait_s=now - Job.enqueued_at, queue=func.coalesce(queue, Job.queue))
+                    .values(status=FAILED, finished_at=now, error_type="attempts_exhausted",
+                            error=f"gave up after {attempts - (forgiven or 0)} attempts: each one's worker "
+                                  "died or lost its lease mid-job")
                 )
-                if res.rowcount == 1:
-                    return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now)
+                return Claim(None, "attempts exhausted")
+            res = conn.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
+                .values(status=RUNNING, attempts=attempts + 1, worker=worker, device=device,
+                        started_at=now, heartbeat_at=now, error=None, error_type=None,
+                        queue_wait_s=now - Job.enqueued_at, queue=func.coalesce(queue, Job.queue))
+            )
+            if res.rowcount == 1:
+                return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now)
         return Claim(None, "lost the race to another attempt")
 
     def heartbeat(self, job_id: str, attempt: int) -> bool:
@@ -327,13 +336,23 @@ class Store:
 
     def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
         """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
-        with self._write() as conn:
+        def write(conn: Connection) -> bool:
             res = conn.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING)
                 .values(**values)
             )
             return res.rowcount == 1
+
+        return self._write_op(write)
+
+    def _write_op(self, write: Callable[[Connection], T]) -> T:
+        """``write(conn)`` in a write transaction: shared with other threads' writes when this
+        store group-commits (a worker's claims and results: ``worker.group_commit``)."""
+        if self._group is not None:
+            return self._group.run(write)
+        with self._write() as conn:
+            return write(conn)
 
     def fail(self, job_id: str, attempt: int, error: str, error_type: str = "generation_error") -> bool:
         return self.finish(

@@ -134,7 +134,8 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int,
 
     request_id = f"{job_id}#{attempt}"
     if rt.dead or rt.draining or not rt.loop.running:
-        return give_back(rt, store, job_id, attempt, payload, "worker stopping", forgive=True), None
+        why = "drained: the worker is shutting down" if rt.draining else "worker stopping"
+        return give_back(rt, store, job_id, attempt, payload, why, forgive=True), None
     try:
         req = request_from_payload(payload)
         handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id,

@@ -42,7 +42,7 @@ def test_sigterm_drains_then_gives_back_at_once(workers):
     assert not [j for j in jobs if j.status == RUNNING]  # nothing waits for a lease to expire
     drained = [j for j in jobs if j.attempts == 1]
     assert drained and all(j.status == QUEUED and j.attempts_forgiven == 1 for j in drained)
-    assert all("drained" in j.error for j in drained)
+    assert all("drained" in j.error for j in drained), [j.error for j in drained]
     workers.start()
     counts = client.wait(batch_id, timeout=180)
     assert counts[SUCCEEDED] == 8
