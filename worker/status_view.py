@@ -71,6 +71,7 @@ class Snapshot:
     batches: list[BatchView]
     workers: list[Any]  # worker.models.Worker rows
     running_by_worker: dict[str, int]
+    single_jobs: list[dict[str, Any]] = field(default_factory=list)  # newest jobs outside any batch
 
     @property
     def active(self) -> bool:
@@ -116,7 +117,8 @@ def take_snapshot(store: Store, batch: Batch | None = None, *, window_s: float =
     now = time.time()
     batches = [batch] if batch is not None else store.batches(limit)
     return Snapshot(now, batch_views(store, batches, now, window_s, latencies=batch is not None),
-                    store.workers(), store.running_counts_by_worker())
+                    store.workers(), store.running_counts_by_worker(),
+                    store.single_jobs(limit) if batch is None else [])
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -209,6 +211,22 @@ def batch_detail(b: BatchView) -> RenderableType:
     return Group(head, bar, rows)
 
 
+def jobs_table(snap: Snapshot) -> RenderableType | None:
+    """Jobs submitted alone (``specbatch submit``), newest first: whole ids, within 80 columns."""
+    if not snap.single_jobs:
+        return None
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
+    table.add_column("job", no_wrap=True)  # an id: never cut
+    table.add_column("status", no_wrap=True)
+    table.add_column("age", justify="right", no_wrap=True)
+    table.add_column("model / custom_id", overflow="fold")
+    for j in snap.single_jobs:
+        age = fmt_duration(snap.taken_at - j["enqueued_at"]) if j["enqueued_at"] else "-"
+        label = j["model"] + (f" / {j['custom_id']}" if j["custom_id"] else "")
+        table.add_row(j["id"], j["status"], age, label)
+    return Group(Text("single jobs", style="bold"), table)
+
+
 def render(snap: Snapshot, detail: bool) -> RenderableType:
     parts: list[RenderableType] = []
     workers = workers_table(snap)
@@ -218,6 +236,9 @@ def render(snap: Snapshot, detail: bool) -> RenderableType:
         parts += [batch_detail(b) for b in snap.batches]
     else:
         parts.append(batches_list(snap))
+        jobs = jobs_table(snap)
+        if jobs is not None:
+            parts.append(jobs)
     parts.append(Text(time.strftime("as of %Y-%m-%d %H:%M:%S", time.localtime(snap.taken_at)), style="dim"))
     return Group(*parts)
 
