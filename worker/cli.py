@@ -519,7 +519,7 @@ def export(ctx, batch, output):
             raise click.ClickException(f"job {job.id} is {job.status}: no output yet")
         rows = iter([output_line(job)])
     if output == "-":
-        out = click.get_text_stream("stdout")
+        out = sys.stdout
         for row in rows:
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
         out.flush()

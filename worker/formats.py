@@ -161,10 +161,11 @@ def _decode(raw: str | bytes, line_no: int) -> str | BadLine:
         try:
             return raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
         except UnicodeDecodeError as exc:
-            # The column an editor shows: characters before the bad byte, counted from 1.
-            head = raw[: exc.start].decode("utf-8-sig" if line_no == 1 else "utf-8", errors="replace")
-            column = len(head) + 1
-            return BadLine(line_no, f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at column {column}")
+            # The column an editor shows: characters before the bad byte, counted from 1 (the
+            # offset is into ``exc.object``: after the BOM, which utf-8-sig has stripped).
+            data = exc.object
+            column = len(data[: exc.start].decode("utf-8", errors="replace")) + 1
+            return BadLine(line_no, f"not UTF-8 text: byte 0x{data[exc.start]:02x} at column {column}")
     return raw
 
 
