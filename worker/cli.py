@@ -139,11 +139,15 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
 
 
 def _print_ingested(sub, name: str) -> None:
+    r = sub.ingest
     console.print(
         f"batch [bold]{sub.batch_id}[/] ({name}): {sub.num_good} good lines, {sub.num_bad} bad; "
-        f"enqueued {sub.ingest.enqueued} (published {sub.published} so far), "
-        f"already succeeded {sub.ingest.skipped_succeeded}, kept failed {sub.ingest.skipped_failed}"
+        f"enqueued {r.enqueued} (published {sub.published} so far), "
+        f"already succeeded {r.skipped_succeeded}, kept failed {r.skipped_failed}"
     )
+    rate = f" ({r.num_lines / r.seconds:,.0f} lines/s)" if r.seconds > 0 else ""
+    first = f"; first chunk in {r.first_chunk_s:.2f} s" if r.first_chunk_s is not None else ""
+    console.print(f"read {r.num_lines:,} lines in {r.seconds:.1f} s{rate}{first}", soft_wrap=True)
 
 
 def _follow(client, reader, writer, name: str, started: float, worker, timeout: float | None):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .formats import BadLine, Request, length_error, parse_line
-from .request import with_seed
+from .request import fresh_seed
 from .store import INSERT_CHUNK, Store, job_row
 
 #: The first chunk is small, so the first jobs are published within moments of the command.
@@ -179,9 +179,11 @@ class Ingest:
 
     def _row(self, r: Request) -> dict[str, Any]:
         prio = self.priority if r.priority is None else r.priority
+        if r.params.seed is None:  # as ``with_seed``, in place: these params are this line's own
+            r.params.seed = fresh_seed()
         return job_row(model=self.model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint,
                        prompt=r.prompt, prompt_token_ids_in=r.prompt_token_ids, messages=r.messages,
-                       params=with_seed(r.params).to_dict(), queue=self.queue_for(self.model, prio),
+                       params=r.params.to_dict(), queue=self.queue_for(self.model, prio),
                        priority=prio, user=r.user)
 
     def _parse(self, lines: Sequence[tuple[int, Any]], batch_id: str) -> tuple[list[Request], list[BadLine]]:

@@ -18,12 +18,11 @@ from .formats import Request
 
 class TokenCounter:
     def __init__(self, model: str) -> None:
-        from engine.loader import load_tokenizer
         from engine.model_hub import resolve_model
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoTokenizer  # as engine.loader, without its model code
 
         path = resolve_model(model)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path).get_text_config()
         self.max_model_len: int = getattr(config, "max_position_embeddings", None) or 2048
         self.vocab_size: int = config.vocab_size
