@@ -42,6 +42,7 @@ class BatchView:
     tokens_per_s: float | None = None
     window_s: float | None = None
     finished_at: float | None = None
+    reading: bool = False  # its input is still being read (more jobs are on their way)
     ttft_p50: float | None = None
     tpot_p50: float | None = None
 
@@ -75,7 +76,7 @@ class Snapshot:
 
     @property
     def active(self) -> bool:
-        return any(b.left for b in self.batches)
+        return any(b.left or b.reading for b in self.batches)
 
 
 def batch_views(store: Store, batches: Sequence[Batch], now: float, window_s: float = DEFAULT_WINDOW_S,
@@ -87,7 +88,8 @@ def batch_views(store: Store, batches: Sequence[Batch], now: float, window_s: fl
     stats = store.finished_stats(ids, since=now - window_s)
     views = []
     for b in batches:
-        v = BatchView(b.id, b.name, b.model, counts[b.id], failures[b.id], finished_at=b.finished_at)
+        v = BatchView(b.id, b.name, b.model, counts[b.id], failures[b.id], finished_at=b.finished_at,
+                      reading=b.ingested_at is None)
         s = stats.get(b.id)
         if s is not None:
             v.output_tokens = int(s["output_tokens"] or 0)
@@ -171,7 +173,7 @@ def batch_line(b: BatchView) -> RenderableType:
     row.add_column(no_wrap=True)
     row.add_column(overflow="fold")
     pct = 100.0 * b.done / b.total if b.total else 100.0
-    eta = "done" if not b.left else fmt_duration(b.eta_s)
+    eta = "reading input" if b.reading else "done" if not b.left else fmt_duration(b.eta_s)
     facts = (f"{b.done}/{b.total} ({pct:.0f} %)  failed {b.counts[FAILED]}  {fmt_rate(b.jobs_per_s, 'jobs/s', 2)}  "
              f"{fmt_rate(b.tokens_per_s, 'tok/s')}  ETA {eta}")
     if b.failures:
@@ -201,7 +203,7 @@ def batch_detail(b: BatchView) -> RenderableType:
     rows.add_row("output tokens", str(b.output_tokens))
     rows.add_row("latency p50", f"TTFT {fmt_rate(None if b.ttft_p50 is None else b.ttft_p50 * 1e3, 'ms')}  "
                                 f"TPOT {fmt_rate(None if b.tpot_p50 is None else b.tpot_p50 * 1e3, 'ms', 2)}")
-    rows.add_row("ETA", "done" if not b.left else fmt_duration(b.eta_s) if b.eta_s is not None else "- (nothing finished lately)")
+    rows.add_row("ETA", "- (still reading its input)" if b.reading else "done" if not b.left else fmt_duration(b.eta_s) if b.eta_s is not None else "- (nothing finished lately)")
     rows.add_row("failures", fmt_failures(b.failures))
     bar = Table.grid(padding=(0, 1))
     bar.add_column(no_wrap=True)
