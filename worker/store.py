@@ -10,6 +10,7 @@ across threads (Sessions never are).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-from sqlalchemy import (Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select,
+from sqlalchemy import (JSON, Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select,
                         tuple_, update)
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -281,7 +282,8 @@ class Store:
                     requeue_ids.append(old.id)
                     prepared.to_enqueue.append(dict(row, id=old.id, batch_id=batch_id, enqueued_at=now))
             if new_rows:
-                self.upsert_jobs(new_rows, conn=conn)
+                if reopened or not self._copy_jobs(conn, new_rows):
+                    self.upsert_jobs(new_rows, conn=conn)
             if requeue_ids:
                 # Retried failures go back to queued with fresh attempts (the fence still only
                 # grows); queued/running rows keep their status (a running attempt stays fenced).
@@ -298,9 +300,33 @@ class Store:
             bad = [dict(r, batch_id=batch_id, status=FAILED, error_type=INVALID_INPUT, enqueued_at=now,
                         finished_at=now) for r in invalid_rows]
             if bad:
-                self.upsert_jobs(bad, conn=conn)
+                if reopened or not self._copy_jobs(conn, bad):
+                    self.upsert_jobs(bad, conn=conn)
             prepared.invalid = len(bad)
         return prepared
+
+    def _copy_jobs(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> bool:
+        """PostgreSQL: write new rows with ``COPY`` (several times faster than row-by-row
+        inserts); False elsewhere, or when a row already exists (then the caller upserts, which
+        skips it). Only for rows of a batch just created: their ids and custom_ids are new."""
+        if self.dialect != "postgresql":
+            return False
+        cols = list(rows[0])
+        table = Job.__table__
+        procs = [json.dumps if isinstance(table.c[c].type, JSON) else table.c[c].type.bind_processor(conn.dialect)
+                 for c in cols]  # JSON as its text, as SQLAlchemy would send it
+        quote = conn.dialect.identifier_preparer.quote
+        raw = conn.connection.driver_connection
+        sql = f"COPY {quote(table.name)} ({', '.join(quote(c) for c in cols)}) FROM STDIN"
+        from psycopg import errors
+
+        try:
+            with raw.transaction(), raw.cursor() as cur, cur.copy(sql) as copy:  # a savepoint
+                for row in rows:
+                    copy.write_row([v if p is None or v is None else p(v) for p, v in zip(procs, map(row.get, cols))])
+        except errors.UniqueViolation:
+            return False
+        return True
 
     def finish_ingest(self, batch_id: str) -> dict[str, int]:
         """Mark the batch's input as fully written (it may finish now) and store its counts."""

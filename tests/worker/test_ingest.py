@@ -158,3 +158,19 @@ def test_token_counts_in_one_batch_equal_one_by_one(tiny_model_dir):
     one = [counter._one(r) for r in reqs]
     assert [repr(x) for x in many] == [repr(x) for x in one]
     assert isinstance(many[3], ValueError) and many[4] > 300
+
+
+def test_a_chunk_written_twice_keeps_one_row_each(db_url):
+    """PostgreSQL writes a new batch's rows with COPY; rows that exist already make it fall back
+    to the upsert, which skips them (SQLite upserts always)."""
+    from worker.store import job_row
+
+    store = Store(db_url, auto_upgrade=True)
+    batch_id, _ = store.open_batch(name="twice", input_file=None, model="m")
+    rows = [job_row(model="m", prompt=f"p{i}\x00", custom_id=f"c{i}", line_no=i, messages=None) for i in (1, 2)]
+    bad = [job_row(model="m", line_no=3, error="line 3: malformed JSON")]
+    for _ in range(2):
+        store.write_chunk(batch_id, rows, bad, reopened=False)
+    jobs = store.jobs(batch_id)
+    assert [(j.line_no, j.prompt, j.params) for j in jobs] == [(1, "p1\x00", {}), (2, "p2\x00", {}),
+                                                              (3, None, {})]
