@@ -71,9 +71,13 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
     """Stream FILE into a batch (jobs start while it is read), follow progress, and write
     the output file as results arrive (in input order; a rerun resumes it)."""
     _speculation_env(speculative, draft_model)  # read by a local worker started below
+    from .config import broker_url_from_env
     from .ingest_thread import IngestThread
     from .validate import token_counter
 
+    if detach and not (ctx.obj["broker_url"] or broker_url_from_env()):
+        raise click.UsageError("--detach needs a broker that outlives this command (--broker-url or REDIS_URL): "
+                               "the embedded Redis goes away when it exits")
     client = _client(ctx, model=model)
     settings = client.settings
     if device:

@@ -321,7 +321,7 @@ class Store:
         from psycopg import errors
 
         try:
-            with raw.transaction(), raw.cursor() as cur, cur.copy(sql) as copy:  # a savepoint
+            with conn.begin_nested(), raw.cursor() as cur, cur.copy(sql) as copy:  # a savepoint in the chunk's transaction
                 for row in rows:
                     copy.write_row([v if p is None or v is None else p(v) for p, v in zip(procs, map(row.get, cols))])
         except errors.UniqueViolation:

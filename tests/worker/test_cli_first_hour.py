@@ -104,3 +104,11 @@ def test_submit_wait_without_a_worker_says_which_to_start(sqlite_url, redis_url,
     assert res.stderr.strip().splitlines()[-1] == (
         f"Error: job {res.stdout.split()[0]} still queued after 1 s; is a worker running? "
         "(`specbatch worker --model some-model`)")
+
+
+def test_detach_refuses_the_embedded_broker(sqlite_url, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    res = CliRunner().invoke(cli, ["--database-url", sqlite_url, "run", str(src), "--detach"],
+                             env={"REDIS_URL": None, "SPECBATCH_BROKER_URL": None})
+    assert res.exit_code == 2 and "--detach needs a broker that outlives this command" in res.output
