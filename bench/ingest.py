@@ -207,6 +207,9 @@ def bench_db(kind: str, tmp: Path, server: RedisServer, small: Path, big: Path, 
         after = redis_used(r)
         in_redis = r.llen(queue)
         key_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in lanes if r.exists(k))
+        sample = r.lrange(queue, 0, 99)
+        msg_len = sum(map(len, sample)) / max(len(sample), 1)
+        body_len = sum(len(json.loads(m)["body"]) for m in sample) / max(len(sample), 1)
         for label, x in ((f"{args.small:,} lines", s), (f"{args.lines:,} lines", b)):
             say(f"{label:>17}: {x['lines'] / x['wall_s']:8,.0f} lines/s end to end ({x['wall_s']:.1f} s command, "
                 f"ingest proper {x['lines'] / x['ingest_s']:,.0f} lines/s in {x['ingest_s']:.1f} s); "
@@ -217,7 +220,9 @@ def bench_db(kind: str, tmp: Path, server: RedisServer, small: Path, big: Path, 
         delta = after - before
         say(f"Redis: used_memory +{delta / 1024:.0f} KiB with {b['lines']:,} jobs queued = {delta / b['lines']:.2f} "
             f"bytes per queued job (goal <= 300); {in_redis} messages in Redis (the pacing window; the rest wait "
-            f"in the store), {key_bytes / max(in_redis, 1):.0f} bytes per message (MEMORY USAGE of the queue)")
+            f"in the store), {key_bytes / max(in_redis, 1):.0f} bytes per message (MEMORY USAGE of the queue; "
+            f"a message is {msg_len:.0f} bytes of JSON, {body_len:.0f} of them the base64 body: the job's id and "
+            "payload, prompt included)")
         r.delete(*lanes)
         if args.no_first_claim:
             return
