@@ -84,9 +84,14 @@ def test_error_columns_are_the_ones_an_editor_shows():
     assert bad.message == "line 7: malformed JSON: Invalid control character at column 14"
 
 
-def test_submit_wait_starts_a_worker_when_none_consumes(sqlite_url, redis_url, unique_queue, tiny_model, tmp_path):
-    servers = ["--broker-url", redis_url, "--database-url", sqlite_url]
-    env = {"SPECBATCH_QUEUE": unique_queue, "SPECBATCH_WORKER_LOG": str(tmp_path / "worker.log")}
+@pytest.mark.parametrize("broker", ["embedded", "redis"])
+def test_submit_wait_starts_a_worker_when_none_consumes(broker, sqlite_url, redis_url, unique_queue, tiny_model,
+                                                        tmp_path):
+    """On the embedded defaults (the issue's case: nobody else can reach that Redis) and on a
+    shared Redis that no worker consumes."""
+    servers = ["--database-url", sqlite_url] + (["--broker-url", redis_url] if broker == "redis" else [])
+    env = {"SPECBATCH_QUEUE": unique_queue, "SPECBATCH_WORKER_LOG": str(tmp_path / "worker.log"),
+           **({"REDIS_URL": None, "SPECBATCH_BROKER_URL": None} if broker == "embedded" else {})}
     res = CliRunner().invoke(cli, [*servers, "submit", "hello", "--model", tiny_model, "--max-tokens", "3",
                                    "--wait", "300"], env=env)
     assert res.exit_code == 0, res.output + (tmp_path / "worker.log").read_text()[-3000:]
