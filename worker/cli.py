@@ -106,7 +106,7 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
             console.print(f"detached: follow with `specbatch status {sub.batch_id}`, "
                           f"fetch with `specbatch export {sub.batch_id}`", soft_wrap=True)
             return
-        if (first.enqueued or reader.running) and local_worker and not client.workers_consuming(settings.queue_name):
+        if local_worker and reader.has_work() and not client.workers_consuming(settings.queue_name):
             from .local import LocalWorker
 
             log_path = env("WORKER_LOG") or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")

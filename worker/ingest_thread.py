@@ -17,6 +17,8 @@ class IngestThread:
 
     def __init__(self, client: Any, source: str | Path, **kwargs: Any) -> None:
         self._first = threading.Event()
+        self._work = threading.Event()  # a chunk enqueued jobs to run, or the reading ended
+        self._enqueued = False
         self._first_result: IngestResult | None = None
         self._sub: Any = None
         self._error: BaseException | None = None
@@ -32,6 +34,9 @@ class IngestThread:
             if not self._first.is_set():
                 self._first_result = IngestResult(result.batch_id, enqueued=result.enqueued)
                 self._first.set()
+            if result.enqueued:
+                self._enqueued = True
+                self._work.set()
 
         try:
             self._sub = client.submit_batch(source, on_chunk=on_chunk, **kwargs)
@@ -39,6 +44,7 @@ class IngestThread:
             self._error = exc
         finally:
             self._first.set()
+            self._work.set()
 
     @property
     def running(self) -> bool:
@@ -51,6 +57,12 @@ class IngestThread:
             self.join()  # failed before its first chunk: raise that
             return self._sub.ingest
         return self._first_result
+
+    def has_work(self) -> bool:
+        """Wait until some chunk enqueued jobs to run (True) or the input ended without any
+        (False): a rerun whose lines all succeeded needs no worker."""
+        self._work.wait()
+        return self._enqueued
 
     def join(self):
         self._thread.join()
