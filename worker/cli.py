@@ -177,6 +177,8 @@ def _follow(client, reader, writer, name: str, started: float, worker, timeout: 
             done = prog["succeeded"] + prog["failed"] + prog["cancelled"]
             window = (prog["last_finished"] or 0) - max(prog["first_started"] or started, started)
             tps = f"{prog['output_tokens'] / window:.0f}" if window > 0 else "-"
+            if sub is None:
+                bar.update(task, description=f"reading ({reader.lines_read:,} lines) + generating")
             bar.update(task, completed=done, failed=prog["failed"], tps=tps,
                        total=done + prog["queued"] + prog["running"] if sub is not None else None)
             writer.pump()

@@ -19,6 +19,7 @@ class IngestThread:
         self._first = threading.Event()
         self._work = threading.Event()  # a chunk enqueued jobs to run, or the reading ended
         self._enqueued = False
+        self.lines_read = 0  # so far, for a progress line
         self._first_result: IngestResult | None = None
         self._sub: Any = None
         self._error: BaseException | None = None
@@ -31,6 +32,7 @@ class IngestThread:
 
     def _run(self, client: Any, source: str | Path, kwargs: dict[str, Any]) -> None:
         def on_chunk(result: IngestResult) -> None:
+            self.lines_read = result.num_lines
             if not self._first.is_set():
                 self._first_result = IngestResult(result.batch_id, enqueued=result.enqueued)
                 self._first.set()
