@@ -26,6 +26,10 @@ def _lines() -> list[str]:
     return lines
 
 
+def _whole_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
 def _read(path: Path) -> list[dict]:
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     assert text == "" or text.endswith("\n"), "a torn last line"
@@ -44,7 +48,7 @@ def test_a_run_killed_mid_way_leaves_valid_jsonl_that_a_rerun_completes_once(red
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=log, start_new_session=True)
         try:
-            wait_until(lambda: first.poll() is not None or len(_read(out)) >= 3, timeout=240, poll=0.02,
+            wait_until(lambda: first.poll() is not None or _whole_lines(out) >= 3, timeout=240, poll=0.02,
                        what="the first results in the output file")
         finally:
             os.killpg(first.pid, signal.SIGKILL)  # the CLI, its local worker and the worker's engine
