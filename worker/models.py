@@ -58,7 +58,9 @@ class Job(Base):
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
         Index("ix_jobs_batch_status", "batch_id", "status"),
         Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
-        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "line_no"),
+        # The pacer's next jobs of one batch and queue, in line order: an index range, however
+        # many jobs of other queues (lanes, models) the batch or the table holds.
+        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "queue", "line_no"),
         Index("ix_jobs_batch_line", "batch_id", "line_no", "id"),  # input order: output files, export
     )
 

@@ -11,6 +11,7 @@ across threads (Sessions never are).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -32,7 +33,16 @@ INVALID_INPUT = "invalid_input"  # error_type of a bad input line (never enqueue
 
 
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """32 hex digits laid out as a UUIDv7: milliseconds since the epoch, then 74 random bits.
+
+    Time-ordered, so a million new jobs are appended at the end of the primary-key index
+    instead of landing on random pages (with uuid4 every chunk of rows dirtied about as many
+    index pages as it had rows, and ingest slowed as the table grew); still unique and opaque.
+    """
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (ms & (2**48 - 1)) << 80 | 0x7 << 76 | (rand >> 68 & 0xFFF) << 64 | 0b10 << 62 | (rand & (2**62 - 1))
+    return f"{value:032x}"
 
 
 def normalize_url(url: str) -> str:
