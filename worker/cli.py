@@ -62,13 +62,22 @@ def _client(ctx: click.Context, **kw):
               help="Lane of the batch's jobs: bulk, interactive, or an integer (lower is more urgent).")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=None,
               help="At most this many of the batch's jobs queued in Redis or running at once.")
+@click.option("--detach", is_flag=True,
+              help="Write and publish the batch, then exit: workers run it; follow with `status`, "
+                   "fetch with `export` (or run the same command again to wait and write the output).")
 @click.pass_context
 def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency, max_num_seqs, local_worker, timeout,
-        speculative, draft_model, priority, max_in_flight):
-    """Validate FILE, enqueue every line, follow progress, write the output file."""
+        speculative, draft_model, priority, max_in_flight, detach):
+    """Stream FILE into a batch (jobs start while it is read), follow progress, and write
+    the output file as results arrive (in input order; a rerun resumes it)."""
     _speculation_env(speculative, draft_model)  # read by a local worker started below
+    from .config import broker_url_from_env
+    from .ingest_thread import IngestThread
     from .validate import token_counter
 
+    if detach and not (ctx.obj["broker_url"] or broker_url_from_env()):
+        raise click.UsageError("--detach needs a broker that outlives this command (--broker-url or REDIS_URL): "
+                               "the embedded Redis goes away when it exits")
     client = _client(ctx, model=model)
     settings = client.settings
     if device:
@@ -80,70 +89,102 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
     with console.status(f"loading the tokenizer of {settings.model}"):
         counter = token_counter(settings.model)
     try:
-        sub = client.submit_batch(path, name=name, retry_failed=retry_failed, count_tokens=counter,
-                                  max_model_len=counter.max_model_len, priority=priority, max_in_flight=max_in_flight)
+        from .lanes import parse_priority
+
+        priority = parse_priority(priority)
+        reader = IngestThread(client, path, name=name, retry_failed=retry_failed, count_tokens=counter,
+                              max_model_len=counter.max_model_len, priority=priority, max_in_flight=max_in_flight)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    p = sub.prepared
-    console.print(
-        f"batch [bold]{sub.batch_id}[/] ({name}): {len(sub.parsed.requests)} good lines, {len(sub.bad_lines)} bad; "
-        f"enqueued {len(p.to_enqueue)} (published {sub.published} so far), already succeeded {p.skipped_succeeded}, "
-        f"kept failed {p.skipped_failed}"
-    )
     started = time.time()
     worker = None
     try:
-        if p.to_enqueue and local_worker and not client.workers_consuming(settings.queue_name):
+        first = reader.first_chunk()  # written and its first jobs published
+        if detach:
+            sub = reader.join()
+            _print_ingested(sub, name)
+            console.print(f"detached: follow with `specbatch status {sub.batch_id}`, "
+                          f"fetch with `specbatch export {sub.batch_id}`", soft_wrap=True)
+            return
+        if local_worker and reader.has_work() and not client.workers_consuming(settings.queue_name):
             from .local import LocalWorker
 
             log_path = env("WORKER_LOG") or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")
             console.print(f"no worker on [bold]{settings.queue_name}[/]; starting one on {settings.device} (log: {log_path})")
             worker = LocalWorker(settings, concurrency=concurrency, max_num_seqs=max_num_seqs, log_path=log_path,
                                  loglevel=env("WORKER_LOGLEVEL", "warning"))
-        _follow(client, sub.batch_id, started, worker, timeout)
+        from .output import OutputFile
+
+        out = Path(output) if output else path.with_suffix(".out.jsonl")
+        writer = OutputFile(out, client.store, first.batch_id, fresh=retry_failed)
+        sub = _follow(client, reader, writer, name, started, worker, timeout)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: jobs stay queued; rerun the same command to resume")
         raise SystemExit(130)
     finally:
         if worker is not None:
             worker.stop()
-    out = Path(output) if output else path.with_suffix(".out.jsonl")
-    from .formats import output_line, write_jsonl
+    batch_id = sub.batch_id
+    counts = client.store.refresh_batch(batch_id)
+    if writer.lines != sum(counts.values()):  # the file held another version of the input: write it anew
+        writer.rewrite()
+    _print_summary(client.store, batch_id, started, out, writer.lines)
+    unfinished = sum(counts.values()) - counts["succeeded"]
+    if unfinished:
+        console.print(f"[red]{unfinished} line(s) without a result[/]:")
+        from itertools import islice
 
-    jobs = client.store.jobs(sub.batch_id)
-    n = write_jsonl(out, (output_line(j) for j in jobs))
-    client.store.refresh_batch(sub.batch_id)
-    _print_summary([j for j in jobs if (j.finished_at or 0) >= started and j.error_type != "invalid_input"] or jobs, out, n)
-    failed = [j for j in jobs if j.status != "succeeded"]
-    if failed:
-        console.print(f"[red]{len(failed)} line(s) without a result[/]:")
-        for j in failed[:20]:
+        for j in islice(client.store.iter_jobs(batch_id, statuses=("failed", "cancelled"), page=20), 20):
             where = "" if (j.error or "").startswith("line ") else f"line {j.line_no}: "
             console.print(f"  {where}{j.error} [dim]({j.custom_id})[/]")
-        if len(failed) > 20:
-            console.print(f"  … and {len(failed) - 20} more (see {out})")
+        if unfinished > 20:
+            console.print(f"  … and {unfinished - 20} more (see {out})")
         raise SystemExit(1)
 
 
-def _follow(client, batch_id: str, started: float, worker, timeout: float | None) -> None:
-    """Show progress until the batch is done. Recovery needs nobody here: workers reap dead
-    workers' jobs themselves; the local worker, if any, is restarted as a supervisor would."""
+def _print_ingested(sub, name: str) -> None:
+    r = sub.ingest
+    console.print(
+        f"batch [bold]{sub.batch_id}[/] ({name}): {sub.num_good} good lines, {sub.num_bad} bad; "
+        f"enqueued {r.enqueued} (published {sub.published} so far), "
+        f"already succeeded {r.skipped_succeeded}, kept failed {r.skipped_failed}"
+    )
+    rate = f" ({r.num_lines / r.seconds:,.0f} lines/s)" if r.seconds > 0 else ""
+    first = f"; first chunk in {r.first_chunk_s:.2f} s" if r.first_chunk_s is not None else ""
+    console.print(f"read {r.num_lines:,} lines in {r.seconds:.1f} s{rate}{first}", soft_wrap=True)
+
+
+def _follow(client, reader, writer, name: str, started: float, worker, timeout: float | None):
+    """Show progress and append results to the output file until the input is read and the
+    batch is done. Recovery needs nobody here: workers reap dead workers' jobs themselves; the
+    local worker, if any, is restarted as a supervisor would. Each poll reads counts (and the
+    newly finished rows for the file); polls space out when the counts get slow to read."""
     store = client.store
-    first = store.batch_progress(batch_id)
-    total = sum(first[s] for s in ("queued", "running", "succeeded", "failed", "cancelled"))
+    batch_id = writer.batch_id
     restarts_seen = 0
+    sub = None
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("failed {task.fields[failed]}"), TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("generating", total=total, failed=0, tps="-")
+        task = bar.add_task("reading + generating", total=None, failed=0, tps="-")
         while True:
+            t0 = time.perf_counter()
+            if sub is None and not reader.running:
+                sub = reader.join()  # raises what the reader raised
+                _print_ingested(sub, name)
+                bar.update(task, description="generating")
             prog = store.batch_progress(batch_id)
             done = prog["succeeded"] + prog["failed"] + prog["cancelled"]
             window = (prog["last_finished"] or 0) - max(prog["first_started"] or started, started)
             tps = f"{prog['output_tokens'] / window:.0f}" if window > 0 else "-"
-            bar.update(task, completed=done, failed=prog["failed"], tps=tps)
-            if prog["queued"] == 0 and prog["running"] == 0:
-                return
+            if sub is None:
+                bar.update(task, description=f"reading ({reader.lines_read:,} lines) + generating")
+            bar.update(task, completed=done, failed=prog["failed"], tps=tps,
+                       total=done + prog["queued"] + prog["running"] if sub is not None else None)
+            writer.pump()
+            if sub is not None and prog["queued"] == 0 and prog["running"] == 0:
+                writer.pump()
+                return sub
             if worker is not None:
                 if not worker.keep_alive():
                     raise click.ClickException(
@@ -155,13 +196,22 @@ def _follow(client, batch_id: str, started: float, worker, timeout: float | None
                                   f"restarted ({worker.restarts}); see {worker.log_path}")
             if timeout is not None and time.time() - started > timeout:
                 raise click.ClickException(f"timed out after {timeout} s with {prog['queued'] + prog['running']} jobs left")
-            time.sleep(0.25)
+            time.sleep(max(0.25, 4 * (time.perf_counter() - t0)))  # a slow poll (a huge batch) waits longer
 
 
-def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
-    from .summary import summarize
+def _print_summary(store, batch_id: str, started: float, out: Path | None, n_lines: int | None) -> None:
+    """Figures of the jobs this run finished (else of the whole batch), read column-wise in
+    chunks: never every row at once."""
+    from .summary import SUMMARY_COLUMNS, Summary
 
-    s = summarize(jobs)
+    recent, whole = Summary(), Summary()
+    for rows in store.iter_job_columns(batch_id, SUMMARY_COLUMNS):
+        for values in rows:
+            j = _Row(SUMMARY_COLUMNS, values)
+            whole.add(j)
+            if (j.finished_at or 0) >= started and j.error_type != "invalid_input":
+                recent.add(j)
+    s = (recent if recent.jobs else whole).result()
     table = Table(title="specbatch summary", show_header=False)
     table.add_row("jobs", " ".join(f"{k} {v}" for k, v in sorted(s["by_status"].items())) or "0")
     table.add_row("output tokens", f"{s['output_tokens']} in {_fmt(s['wall_s'], ' s', digits=2)}")
@@ -174,6 +224,21 @@ def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
     if out is not None:
         table.add_row("output", f"{out} ({n_lines} lines)")
     console.print(table)
+
+
+class _Row:
+    """Attribute access over one tuple of columns."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, columns, values) -> None:
+        self._d = dict(zip(columns, values))
+
+    def __getattr__(self, name):
+        try:
+            return self._d[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 # ---- submit ----------------------------------------------------------------------------
@@ -190,9 +255,15 @@ def _print_summary(jobs, out: Path | None, n_lines: int | None) -> None:
               help="Lane: interactive, bulk, or an integer (lower is more urgent).")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A JSON schema file: the output is a JSON value valid for it (checked again before success).")
+@click.option("--local-worker/--no-local-worker", default=True,
+              help="With --wait: start a worker here if none consumes the queue (as `run` does).")
 @click.pass_context
-def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s, priority, json_schema):
-    """Enqueue one job and print its id."""
+def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s, priority, json_schema,
+           local_worker):
+    """Enqueue one job and print its id (with --wait, wait for it and print its output line)."""
+    from .config import broker_url_from_env
+
+    embedded = not (ctx.obj["broker_url"] or broker_url_from_env())  # a Redis that lives as long as we do
     client = _client(ctx, model=model)
     # Only what was given: every default is SamplingParams' own (one request model).
     params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("seed", seed))
@@ -211,11 +282,46 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
     except ValueError as exc:  # SamplingParams names the field
         raise click.UsageError(str(exc)) from None
     click.echo(job_id)
-    if wait_s is not None:
-        from .formats import output_line
+    settings = client.settings
+    hint = f"specbatch worker --model {settings.model}"
+    if wait_s is None:
+        if embedded:
+            console.print(f"the broker is this command's embedded Redis, gone when it exits: run a worker with a "
+                          f"shared REDIS_URL (`{hint}`), or submit with --wait to run one here", soft_wrap=True)
+        return
+    worker = None
+    if local_worker and (embedded or not client.workers_consuming(settings.queue_name)):
+        from .local import LocalWorker
 
-        client.wait(job_id, timeout=wait_s)
-        click.echo(json.dumps(output_line(client.store.get_job(job_id))))
+        log_path = env("WORKER_LOG") or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")
+        console.print(f"no worker on [bold]{settings.queue_name}[/]; starting one on {settings.device} (log: {log_path})",
+                      soft_wrap=True)
+        worker = LocalWorker(settings, log_path=log_path, loglevel=env("WORKER_LOGLEVEL", "warning"))
+    try:
+        _wait_job(client, job_id, wait_s, worker, hint)
+    finally:
+        if worker is not None:
+            worker.stop()
+    from .formats import output_line
+
+    click.echo(json.dumps(output_line(client.store.get_job(job_id))))
+
+
+def _wait_job(client, job_id: str, wait_s: float, worker, hint: str) -> None:
+    """Wait for one job, keeping a local worker alive; a timeout is one line, not a traceback."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.wait(job_id, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            pass
+        if worker is not None and not worker.keep_alive():
+            raise click.ClickException(f"the local worker exited with {worker.proc.returncode}; see {worker.log_path}")
+        if time.monotonic() >= deadline:
+            status = client.store.get_job(job_id).status
+            advice = "" if worker is not None else f"; is a worker running? (`{hint}`)"
+            raise click.ClickException(f"job {job_id} still {status} after {wait_s:g} s{advice}")
 
 
 # ---- worker ----------------------------------------------------------------------------
@@ -404,19 +510,29 @@ def report(ctx, batch, output):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="-")
 @click.pass_context
 def export(ctx, batch, output):
-    """Write a batch's output lines (OpenAI Batch format) in input order."""
+    """Write a batch's output lines (OpenAI Batch format) in input order, streamed a page at a
+    time; or one job's line (BATCH may be a job id)."""
     from .config import database_url_from_env
     from .formats import output_line, write_jsonl
+    from .models import TERMINAL
     from .store import Store
 
     store = Store(ctx.obj["database_url"] or database_url_from_env())
     b = store.get_batch(batch)
-    if b is None:
-        raise click.ClickException(f"no batch {batch!r}")
-    rows = (output_line(j) for j in store.jobs(b.id) if j.status in ("succeeded", "failed", "cancelled"))
+    if b is not None:
+        rows = (output_line(j) for j in store.iter_jobs(b.id, statuses=TERMINAL))
+    else:
+        job = store.get_job(batch)
+        if job is None:
+            raise click.ClickException(f"no batch or job {batch!r}")
+        if job.status not in TERMINAL:
+            raise click.ClickException(f"job {job.id} is {job.status}: no output yet")
+        rows = iter([output_line(job)])
     if output == "-":
+        out = sys.stdout
         for row in rows:
-            click.echo(json.dumps(row, ensure_ascii=False))
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        out.flush()
     else:
         n = write_jsonl(output, rows)
         console.print(f"wrote {n} lines to {output}")
@@ -426,8 +542,10 @@ def export(ctx, batch, output):
 @click.argument("target")
 @click.pass_context
 def cancel(ctx, target):
-    """Cancel a job or every unfinished job of a batch."""
+    """Cancel a job or every unfinished job of a batch (an unknown id is an error)."""
     client = _client(ctx)
+    if client.store.get_batch(target) is None and client.store.get_job(target) is None:
+        raise click.ClickException(f"no batch or job {target!r}")
     ids = client.cancel(target)
     console.print(f"cancelled {len(ids)} job(s)")
 

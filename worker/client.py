@@ -1,9 +1,10 @@
 """The producer API: write jobs to the store first, then enqueue their messages.
 
-Rows go in one transaction *before* anything is published (commit-then-enqueue), so a worker
-never sees a message whose job row is missing, and a crash between the two leaves queued
-rows that rerunning the batch re-enqueues. Publishing reuses one producer and connection and
-builds each Celery message directly, which is what makes 10,000 jobs a second or two.
+Rows are committed *before* anything is published (commit-then-enqueue), so a worker never
+sees a message whose job row is missing, and a crash between the two leaves queued rows that
+rerunning the batch re-enqueues. A batch streams in a chunk at a time (``worker.ingest``) and
+its jobs are published by pacers, a bounded window at a time (``worker.pacer``). Publishing
+reuses one producer and connection and builds each Celery message directly.
 """
 
 from __future__ import annotations
@@ -23,28 +24,39 @@ from .config import Settings, queue_name
 from .lanes import BULK, INTERACTIVE, lane_queue, lane_queues, parse_priority
 from .dbretry import with_db_retry
 from .embedded import ensure_broker_url
-from .formats import MAX_CUSTOM_ID, BadLine, Parsed, Request, check_lengths, output_line, parse_file, parse_lines
+from .formats import MAX_CUSTOM_ID, BadLine, Request, output_line
+from .ingest import Ingest, IngestResult
 from .models import QUEUED, RUNNING, TERMINAL
 from .pacer import Pacer
 from .publish import publish_jobs
 from .request import openai_sampling_params, with_seed
 from .sqltypes import stored_length
-from .store import PreparedBatch, Store, job_row
+from .store import Store, job_row
 
 CountTokens = Callable[[Request], int]
 
 
 @dataclass(slots=True)
 class BatchSubmission:
+    """A submitted batch: its id and what reading its input did, in counts."""
+
     batch_id: str
-    parsed: Parsed
-    prepared: PreparedBatch
+    ingest: IngestResult
     published: int
     seconds: float
 
     @property
     def bad_lines(self) -> list[BadLine]:
-        return self.parsed.bad
+        """The first ``worker.ingest.KEEP_BAD`` bad lines (all of them are stored as failed jobs)."""
+        return self.ingest.bad_lines
+
+    @property
+    def num_good(self) -> int:
+        return self.ingest.num_good
+
+    @property
+    def num_bad(self) -> int:
+        return self.ingest.num_bad
 
 
 class Client:
@@ -120,49 +132,30 @@ class Client:
         max_model_len: int | None = None,
         priority: int | str = BULK,
         max_in_flight: int | None = None,
+        on_chunk: Callable[[IngestResult], None] | None = None,
     ) -> BatchSubmission:
-        """Validate every line, write the batch, then publish the first window of its jobs.
+        """Stream the lines into a batch, a chunk at a time, publishing its first jobs as the
+        first chunks land (``worker.ingest``); returns when every line is written.
 
-        ``source`` is a JSONL path or rows (dicts or JSON strings). Bad lines become failed
-        jobs naming the line and cause; with ``count_tokens`` and ``max_model_len`` prompts that
-        do not fit the context are caught here too. ``priority`` (default ``"bulk"``) is every
-        line's unless the line's body names one; ``max_in_flight`` caps how many of the batch's
-        jobs are published or running at once. The workers' pacers publish the rest, a window
-        at a time, round-robin with the other open batches (``worker.pacer``).
+        ``source`` is a JSONL path or rows (dicts or JSON strings), read lazily: memory does not
+        grow with its length. Bad lines become failed jobs naming the line and cause; with
+        ``count_tokens`` and ``max_model_len`` prompts that do not fit the context are caught
+        here too. ``priority`` (default ``"bulk"``) is every line's unless the line's body names
+        one; ``max_in_flight`` caps how many of the batch's jobs are published or running at
+        once. The workers' pacers publish the rest, a window at a time, round-robin with the
+        other open batches (``worker.pacer``). ``on_chunk`` is called after each chunk is written.
         """
         t0 = time.perf_counter()
         priority = parse_priority(priority)
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         model = model or self.model
-        if isinstance(source, (str, Path)):
-            input_file = str(source)
-            parsed = parse_file(source, model=model)
-        else:
-            input_file = None
-            parsed = parse_lines((r if isinstance(r, (str, bytes)) else json.dumps(r) for r in source), model=model)
-        if count_tokens is not None and max_model_len is not None:
-            check_lengths(parsed, count_tokens, max_model_len)
-        rows = [
-            job_row(
-                model=model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint, prompt=r.prompt,
-                prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, params=with_seed(r.params).to_dict(),
-                queue=self.queue_for(model, prio), priority=prio, user=r.user,
-            )
-            for r in parsed.requests
-            for prio in (priority if r.priority is None else r.priority,)
-        ]
-        invalid = [
-            job_row(model=model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
-            for b in parsed.bad
-        ]
-        prepared = self.store.prepare_batch(
-            name=name, input_file=input_file, model=model, rows=rows, invalid_rows=invalid,
-            params={"retry_failed": retry_failed}, retry_failed=retry_failed,
-            priority=priority, max_in_flight=max_in_flight,
-        )
-        published = self.pace(model)
-        return BatchSubmission(prepared.batch_id, parsed, prepared, published, time.perf_counter() - t0)
+        ingest = Ingest(self.store, model=model, queue_for=self.queue_for, priority=priority,
+                        retry_failed=retry_failed, count_tokens=count_tokens, max_model_len=max_model_len,
+                        pace=lambda: self.pace(model), on_chunk=on_chunk)
+        result = ingest.run(source, name=name, input_file=str(source) if isinstance(source, (str, Path)) else None,
+                            params={"retry_failed": retry_failed}, max_in_flight=max_in_flight)
+        return BatchSubmission(result.batch_id, result, result.published, time.perf_counter() - t0)
 
     def pace(self, model: str | None = None) -> int:
         """One pacer tick on the model's lanes: publish the first window of open batches now
@@ -193,40 +186,51 @@ class Client:
             time.sleep(poll)
 
     def _poll_done(self, job_or_batch: str) -> dict[str, int] | str | None:
-        """The final status or counts of a job or batch, or None while it is not done."""
+        """The final status or counts of a job or batch, or None while it is not done (counts
+        by status: one aggregate query, whatever the batch's size)."""
         batch = self.store.get_batch(job_or_batch)
         if batch is not None:
-            counts = self.store.refresh_batch(batch.id)
-            return counts if counts[QUEUED] == 0 and counts[RUNNING] == 0 else None
+            counts, done = self.store.batch_done(batch.id)
+            if done:
+                self.store.refresh_batch(batch.id)
+                return counts
+            return None
         job = self.store.get_job(job_or_batch)
         if job is None:
             raise KeyError(f"no job or batch {job_or_batch!r}")
         return job.status if job.status in TERMINAL else None
 
     def iter_results(self, batch_id: str, *, poll: float = 0.25, timeout: float | None = None) -> Iterator[dict[str, Any]]:
-        """Output lines as jobs finish (each once), until the batch is done."""
-        seen: set[str] = set()
+        """Output lines, each once, in input-line order as soon as every line before it has
+        finished, until the batch is done. A poll reads counts; rows are read only when more
+        jobs finished, and only those (``Store.finished_prefix``)."""
+        after: tuple[int, str] | None = None
+        yielded = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                counts = self.store.batch_counts(batch_id)
-                finished = self.store.jobs(batch_id, statuses=TERMINAL)
+                counts, done = self.store.batch_done(batch_id)
+                finished = sum(counts[s] for s in TERMINAL)
+                while yielded < finished:
+                    rows = self.store.finished_prefix(batch_id, after)
+                    if not rows:
+                        break
+                    for job in rows:
+                        yield output_line(job)
+                    yielded += len(rows)
+                    after = (rows[-1].line_no, rows[-1].id)
             except OperationalError:  # the database is away for a while: keep waiting
                 time.sleep(poll)
                 continue
-            for job in finished:
-                if job.id not in seen:
-                    seen.add(job.id)
-                    yield output_line(job)
-            if counts[QUEUED] == 0 and counts[RUNNING] == 0:
+            if done:  # every job is final, so the prefix above reached the end
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"batch {batch_id} not finished after {timeout} s")
             time.sleep(poll)
 
     def results(self, batch_id: str) -> list[dict[str, Any]]:
-        """Output lines of every finished job, in input-line order."""
-        return [output_line(j) for j in self.store.jobs(batch_id, statuses=TERMINAL)]
+        """Output lines of every finished job, in input-line order (``export`` streams instead)."""
+        return [output_line(j) for j in self.store.iter_jobs(batch_id, statuses=TERMINAL)]
 
     def cancel(self, job_or_batch: str) -> list[str]:
         """Cooperative cancel: mark jobs cancelled, and ask workers to abort running ones."""

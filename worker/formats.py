@@ -161,7 +161,11 @@ def _decode(raw: str | bytes, line_no: int) -> str | BadLine:
         try:
             return raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
         except UnicodeDecodeError as exc:
-            return BadLine(line_no, f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start}")
+            # The column an editor shows: characters before the bad byte, counted from 1 (the
+            # offset is into ``exc.object``: after the BOM, which utf-8-sig has stripped).
+            data = exc.object
+            column = len(data[: exc.start].decode("utf-8", errors="replace")) + 1
+            return BadLine(line_no, f"not UTF-8 text: byte 0x{data[exc.start]:02x} at column {column}")
     return raw
 
 
@@ -181,6 +185,11 @@ def _has_lone_surrogate(text: str, data: Any) -> bool:
     return False
 
 
+def _json_message(msg: str) -> str:
+    """json's message without its trailing "at" ("Invalid control character at")."""
+    return msg[: -len(" at")] if msg.endswith(" at") else msg
+
+
 def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> Request | BadLine:
     """One line -> a ``Request`` or a ``BadLine`` naming the line and the field; never raises.
 
@@ -193,7 +202,7 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        return BadLine(line_no, f"malformed JSON: {exc.msg} at column {exc.colno}")
+        return BadLine(line_no, f"malformed JSON: {_json_message(exc.msg)} at column {exc.colno}")
     except RecursionError:
         return BadLine(line_no, "malformed JSON: nested too deeply")
     except ValueError as exc:  # e.g. an integer longer than Python's 4300-digit limit
@@ -290,26 +299,31 @@ def parse_file(path: str | Path, *, model: str | None = None) -> Parsed:
         return parse_lines(fh, model=model)
 
 
-def check_lengths(parsed: Parsed, count_tokens: Callable[[Request], int], max_model_len: int) -> None:
-    """Move requests whose prompt leaves no room in the context to the bad lines (the same
-    rule the engine applies at submission, checked up front so no job is wasted). A
+def length_error(n: int | Exception, max_model_len: int) -> str | None:
+    """Why a prompt of ``n`` tokens (or the error counting it) cannot run, or None: the same
+    rule the engine applies at submission, checked up front so no job is wasted. A
     ``max_tokens`` beyond the room left is fine: generation stops there with ``length``."""
+    if isinstance(n, Exception):  # e.g. a token id outside the vocabulary
+        return f"invalid prompt: {n}"
+    if n >= max_model_len:
+        return (f"prompt is {n} tokens, over the model's context of {max_model_len} "
+                "(it must leave room for at least one output token)")
+    return None
+
+
+def check_lengths(parsed: Parsed, count_tokens: Callable[[Request], int], max_model_len: int) -> None:
+    """Move requests whose prompt leaves no room in the context to the bad lines."""
     keep = []
     for req in parsed.requests:
         try:
-            n = count_tokens(req)
-        except Exception as exc:  # e.g. a token id outside the vocabulary
-            parsed.bad.append(BadLine(req.line_no, f"invalid prompt: {exc}", req.custom_id))
-            continue
-        if n >= max_model_len:
-            parsed.bad.append(BadLine(
-                req.line_no,
-                f"prompt is {n} tokens, over the model's context of {max_model_len} "
-                "(it must leave room for at least one output token)",
-                req.custom_id,
-            ))
-        else:
+            n: int | Exception = count_tokens(req)
+        except Exception as exc:
+            n = exc
+        error = length_error(n, max_model_len)
+        if error is None:
             keep.append(req)
+        else:
+            parsed.bad.append(BadLine(req.line_no, error, req.custom_id))
     parsed.requests = keep
     parsed.bad.sort(key=lambda b: b.line_no)
 

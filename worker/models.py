@@ -44,6 +44,9 @@ class Batch(Base):
     priority: Mapped[int | None]
     max_in_flight: Mapped[int | None]
     created_at: Mapped[float]
+    # When the whole input was written (streaming ingest writes it in chunks); NULL while it is
+    # being read: the batch is not finished then even if every job written so far is.
+    ingested_at: Mapped[float | None]
     finished_at: Mapped[float | None]
 
 
@@ -55,7 +58,10 @@ class Job(Base):
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
         Index("ix_jobs_batch_status", "batch_id", "status"),
         Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
-        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "line_no"),
+        # The pacer's next jobs of one batch and queue, in line order: an index range, however
+        # many jobs of other queues (lanes, models) the batch or the table holds.
+        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "queue", "line_no"),
+        Index("ix_jobs_batch_line", "batch_id", "line_no", "id"),  # input order: output files, export
     )
 
     id: Mapped[str] = mapped_column(NulSafeString(64), primary_key=True)

@@ -10,7 +10,8 @@ field list so a new upstream field fails until it is classified here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from types import MappingProxyType
+from typing import Any, Callable, Literal, Mapping
 
 Endpoint = Literal["chat", "completions"]
 Status = Literal["honoured", "ignored", "refused"]
@@ -165,8 +166,15 @@ RULES: dict[str, FieldRule] = {rule.name: rule for rule in _RULES}
 assert len(RULES) == len(_RULES), "a field is classified twice"
 
 
-def fields_for(endpoint: Endpoint) -> dict[str, FieldRule]:
-    return {name: rule for name, rule in RULES.items() if endpoint in rule.endpoints}
+def fields_for(endpoint: Endpoint) -> Mapping[str, FieldRule]:
+    """The rules of ``endpoint``'s fields (read-only, built once: it is asked for every line)."""
+    return _FIELDS_FOR[endpoint]
+
+
+_FIELDS_FOR: dict[str, Mapping[str, FieldRule]] = {
+    endpoint: MappingProxyType({name: rule for name, rule in RULES.items() if endpoint in rule.endpoints})
+    for endpoint in BOTH
+}
 
 
 class FieldError(ValueError):

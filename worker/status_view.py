@@ -42,6 +42,7 @@ class BatchView:
     tokens_per_s: float | None = None
     window_s: float | None = None
     finished_at: float | None = None
+    reading: bool = False  # its input is still being read (more jobs are on their way)
     ttft_p50: float | None = None
     tpot_p50: float | None = None
 
@@ -71,10 +72,11 @@ class Snapshot:
     batches: list[BatchView]
     workers: list[Any]  # worker.models.Worker rows
     running_by_worker: dict[str, int]
+    single_jobs: list[dict[str, Any]] = field(default_factory=list)  # newest jobs outside any batch
 
     @property
     def active(self) -> bool:
-        return any(b.left for b in self.batches)
+        return any(b.left or b.reading for b in self.batches)
 
 
 def batch_views(store: Store, batches: Sequence[Batch], now: float, window_s: float = DEFAULT_WINDOW_S,
@@ -86,7 +88,8 @@ def batch_views(store: Store, batches: Sequence[Batch], now: float, window_s: fl
     stats = store.finished_stats(ids, since=now - window_s)
     views = []
     for b in batches:
-        v = BatchView(b.id, b.name, b.model, counts[b.id], failures[b.id], finished_at=b.finished_at)
+        v = BatchView(b.id, b.name, b.model, counts[b.id], failures[b.id], finished_at=b.finished_at,
+                      reading=b.ingested_at is None)
         s = stats.get(b.id)
         if s is not None:
             v.output_tokens = int(s["output_tokens"] or 0)
@@ -116,7 +119,8 @@ def take_snapshot(store: Store, batch: Batch | None = None, *, window_s: float =
     now = time.time()
     batches = [batch] if batch is not None else store.batches(limit)
     return Snapshot(now, batch_views(store, batches, now, window_s, latencies=batch is not None),
-                    store.workers(), store.running_counts_by_worker())
+                    store.workers(), store.running_counts_by_worker(),
+                    store.single_jobs(limit) if batch is None else [])
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -169,7 +173,7 @@ def batch_line(b: BatchView) -> RenderableType:
     row.add_column(no_wrap=True)
     row.add_column(overflow="fold")
     pct = 100.0 * b.done / b.total if b.total else 100.0
-    eta = "done" if not b.left else fmt_duration(b.eta_s)
+    eta = "reading input" if b.reading else "done" if not b.left else fmt_duration(b.eta_s)
     facts = (f"{b.done}/{b.total} ({pct:.0f} %)  failed {b.counts[FAILED]}  {fmt_rate(b.jobs_per_s, 'jobs/s', 2)}  "
              f"{fmt_rate(b.tokens_per_s, 'tok/s')}  ETA {eta}")
     if b.failures:
@@ -199,7 +203,7 @@ def batch_detail(b: BatchView) -> RenderableType:
     rows.add_row("output tokens", str(b.output_tokens))
     rows.add_row("latency p50", f"TTFT {fmt_rate(None if b.ttft_p50 is None else b.ttft_p50 * 1e3, 'ms')}  "
                                 f"TPOT {fmt_rate(None if b.tpot_p50 is None else b.tpot_p50 * 1e3, 'ms', 2)}")
-    rows.add_row("ETA", "done" if not b.left else fmt_duration(b.eta_s) if b.eta_s is not None else "- (nothing finished lately)")
+    rows.add_row("ETA", "- (still reading its input)" if b.reading else "done" if not b.left else fmt_duration(b.eta_s) if b.eta_s is not None else "- (nothing finished lately)")
     rows.add_row("failures", fmt_failures(b.failures))
     bar = Table.grid(padding=(0, 1))
     bar.add_column(no_wrap=True)
@@ -207,6 +211,22 @@ def batch_detail(b: BatchView) -> RenderableType:
     bar.add_row(ProgressBar(total=max(b.total, 1), completed=b.done, width=40), f"{b.done}/{b.total} ({pct:.0f} %)")
     head = Text.assemble(("batch ", "bold"), (b.id, "bold cyan"), f"  {b.name or ''}  model {b.model}")
     return Group(head, bar, rows)
+
+
+def jobs_table(snap: Snapshot) -> RenderableType | None:
+    """Jobs submitted alone (``specbatch submit``), newest first: whole ids, within 80 columns."""
+    if not snap.single_jobs:
+        return None
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
+    table.add_column("job", no_wrap=True)  # an id: never cut
+    table.add_column("status", no_wrap=True)
+    table.add_column("age", justify="right", no_wrap=True)
+    table.add_column("model / custom_id", overflow="fold")
+    for j in snap.single_jobs:
+        age = fmt_duration(snap.taken_at - j["enqueued_at"]) if j["enqueued_at"] else "-"
+        label = j["model"] + (f" / {j['custom_id']}" if j["custom_id"] else "")
+        table.add_row(j["id"], j["status"], age, label)
+    return Group(Text("single jobs", style="bold"), table)
 
 
 def render(snap: Snapshot, detail: bool) -> RenderableType:
@@ -218,6 +238,9 @@ def render(snap: Snapshot, detail: bool) -> RenderableType:
         parts += [batch_detail(b) for b in snap.batches]
     else:
         parts.append(batches_list(snap))
+        jobs = jobs_table(snap)
+        if jobs is not None:
+            parts.append(jobs)
     parts.append(Text(time.strftime("as of %Y-%m-%d %H:%M:%S", time.localtime(snap.taken_at)), style="dim"))
     return Group(*parts)
 

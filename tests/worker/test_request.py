@@ -167,7 +167,7 @@ def test_unknown_model_is_an_error_unless_it_is_the_batch_model():
 
 def test_reader_lines_that_once_crashed_or_corrupted():
     cases = {
-        b"\xff\xfe{}": "not UTF-8 text: byte 0xff at offset 0",
+        b"\xff\xfe{}": "not UTF-8 text: byte 0xff at column 1",
         "[" * 100_000: "nested too deeply",
         '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}": "malformed JSON",
         '{"prompt": "\\ud800"}': "lone UTF-16 surrogate",

@@ -1,0 +1,176 @@
+"""Streaming ingest on real SQLite/PostgreSQL and Redis: a file goes in chunk by chunk, its first
+jobs are published before the last chunk is read, duplicates are caught across chunks in
+bounded memory, a batch is never finished between chunks, and a run killed half-way resumes
+with every line exactly once."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import redis
+
+from worker import ingest as ingest_module
+from worker.client import Client
+from worker.ingest import Ingest, SeenIds
+from worker.lanes import lane_queues
+from worker.models import FAILED, QUEUED, SUCCEEDED
+from worker.pacer import Pacer
+from worker.store import INVALID_INPUT, Store
+
+
+@pytest.fixture
+def producer(db_url, redis_url, unique_queue, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_PACING_WINDOW", "20")
+    store = Store(db_url, auto_upgrade=True)
+    client = Client(broker_url=redis_url, database_url=db_url, model="tiny", queue=unique_queue, store=store)
+    yield client
+    redis.Redis.from_url(redis_url).delete(*lane_queues(unique_queue))
+
+
+def _ingest(client: Client, chunk: int, **kw) -> Ingest:
+    return Ingest(client.store, model=client.model, queue_for=client.queue_for, priority=1,
+                  pace=lambda: client.pace(), chunk=chunk, **kw)
+
+
+def _lines(n: int, dup_every: int = 0) -> list[str]:
+    out = []
+    for i in range(1, n + 1):
+        cid = f"c{i - dup_every + 1}" if dup_every and i % dup_every == 0 else f"c{i}"
+        out.append(json.dumps({"custom_id": cid, "prompt": f"p{i}", "max_tokens": 1}))
+    return out
+
+
+def _finish_all(store: Store, batch_id: str) -> None:
+    for job in store.jobs(batch_id, statuses=[QUEUED]):
+        attempt = store.claim(job.id, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
+        store.finish(job.id, attempt, {"status": SUCCEEDED, "finished_at": 1.0})
+
+
+def test_chunks_give_the_same_jobs_as_one_pass_and_catch_duplicates_across_chunks(producer):
+    lines = _lines(50, dup_every=9) + ["{not json", json.dumps({"custom_id": "c3", "prompt": ""})]
+    result = _ingest(producer, chunk=7).run(lines, name="b", input_file=None)
+    jobs = {j.line_no: j for j in producer.store.jobs(result.batch_id)}
+    assert len(jobs) == 52 and result.num_lines == 52
+    dups = [n for n in range(9, 51, 9)]  # line n repeats the id of line n - 8 (mostly in an earlier chunk)
+    assert result.num_bad == len(dups) + 2 and result.num_good == 50 - len(dups)
+    for n in dups:
+        assert jobs[n].status == FAILED and jobs[n].error_type == INVALID_INPUT
+        assert jobs[n].error == f"line {n}: duplicate custom_id 'c{n - 8}' (first on line {n - 8})"
+        assert jobs[n].custom_id is None
+    assert jobs[51].error.startswith("line 51: malformed JSON")
+    # A bad line whose id was taken keeps the line but not the id: (batch, custom_id) stays unique.
+    assert jobs[52].status == FAILED and jobs[52].custom_id is None
+    assert [b.line_no for b in result.bad_lines] == sorted(dups + [51, 52])
+    assert producer.store.get_batch(result.batch_id).ingested_at is not None
+
+
+def test_hash_collisions_are_not_duplicates(producer, monkeypatch):
+    """Every id hashes alike: only a confirmed match in the store makes a line a duplicate."""
+    monkeypatch.setattr(ingest_module, "_hash", lambda custom_id: 7)
+    lines = _lines(30) + [json.dumps({"custom_id": "c4", "prompt": "again"})]
+    result = _ingest(producer, chunk=4).run(lines, name="b", input_file=None)
+    assert result.num_good == 30 and result.num_bad == 1
+    assert result.bad_lines[0].message == "line 31: duplicate custom_id 'c4' (first on line 4)"
+
+
+def test_seen_ids_keep_the_first_line_in_bounded_memory():
+    seen = SeenIds()
+    for start in range(0, 10_000, 1000):
+        hashes = np.arange(start, start + 1000, dtype=np.int64) * 7919
+        assert not seen.lookup(hashes).any()
+        seen.add(hashes, np.arange(start, start + 1000, dtype=np.int64) + 1)
+    assert seen.nbytes == 16 * 10_000 and len(seen._runs) <= 4
+    found = seen.lookup(np.array([0, 5 * 7919, 9999 * 7919, 3], dtype=np.int64))
+    assert found.tolist() == [1, 6, 10_000, 0]
+
+
+def test_first_jobs_are_published_while_the_file_is_still_read(producer, redis_url, unique_queue):
+    r = redis.Redis.from_url(redis_url)
+    seen: list[tuple[int, int]] = []
+
+    def on_chunk(result):
+        seen.append((result.num_lines, r.llen(unique_queue)))
+
+    producer.submit_batch(_lines(1500), name="b", on_chunk=on_chunk)  # more than the first chunk
+    lines_read, waiting = seen[0]
+    assert lines_read < 1500 and waiting > 0  # published after the first chunk, not after the file
+
+
+def test_a_batch_is_not_finished_between_chunks_and_a_killed_ingest_resumes(producer):
+    class Killed(Exception):
+        pass
+
+    def die_after_two(result):
+        if result.num_lines >= 10:
+            raise Killed
+
+    lines = _lines(25) + ["[1, 2]"]
+    with pytest.raises(Killed):
+        _ingest(producer, chunk=5, on_chunk=die_after_two).run(lines, name="half", input_file=None)
+    store = producer.store
+    batch = store.get_batch("half")
+    assert batch.ingested_at is None and store.batch_counts(batch.id)[QUEUED] == 10
+    _finish_all(store, batch.id)  # its workers run dry before the rest of the file arrives
+    store.refresh_batch(batch.id)
+    Pacer(store, producer.app, lane_queues(producer.settings.queue)).close_drained()
+    assert store.get_batch(batch.id).finished_at is None
+    assert batch.id in [b for b, _ in store.open_batches()]
+    assert producer._poll_done(batch.id) is None  # Client.wait keeps waiting
+
+    # The rerun writes the rest: every line exactly once, what succeeded is not run again.
+    again = _ingest(producer, chunk=5).run(lines, name="half", input_file=None)
+    assert again.batch_id == batch.id
+    assert again.skipped_succeeded == 10 and again.enqueued == 15 and again.num_bad == 1
+    jobs = store.jobs(batch.id)
+    assert sorted(j.line_no for j in jobs) == list(range(1, 27))
+    assert store.get_batch(batch.id).ingested_at is not None
+    _finish_all(store, batch.id)
+    assert producer._poll_done(batch.id) == {"queued": 0, "running": 0, "succeeded": 25, "failed": 1,
+                                             "cancelled": 0}
+    assert store.get_batch(batch.id).finished_at is not None
+
+
+def test_iter_results_reads_rows_only_as_they_finish_in_input_order(producer):
+    sub = producer.submit_batch(_lines(12) + ["oops"], name="b")
+    store = producer.store
+    ids = [j.id for j in store.jobs(sub.batch_id)]
+    prefix = store.finished_prefix(sub.batch_id, None)
+    assert prefix == []  # line 1 is still queued: nothing can be written in order yet
+    _finish_all(store, sub.batch_id)
+    lines = list(producer.iter_results(sub.batch_id, timeout=10))
+    assert [l["specbatch"]["job_id"] for l in lines] == ids
+    assert [l["specbatch"]["line"] for l in lines] == list(range(1, 14))
+    assert producer.results(sub.batch_id) == lines
+
+
+def test_token_counts_in_one_batch_equal_one_by_one(tiny_model_dir):
+    from worker.formats import parse_line
+    from worker.validate import TokenCounter
+
+    counter = TokenCounter(tiny_model_dir)
+    raw = [{"prompt": "hello there"}, {"messages": [{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": "hi é"}]},
+           {"prompt": [1, 2, 3]}, {"prompt": [1, 2, 10**6]}, {"prompt": "x " * 300}]
+    reqs = [parse_line(json.dumps(r), n) for n, r in enumerate(raw, start=1)]
+    many = counter.count_many(reqs)
+    one = [counter._one(r) for r in reqs]
+    assert [repr(x) for x in many] == [repr(x) for x in one]
+    assert isinstance(many[3], ValueError) and many[4] > 300
+
+
+def test_a_chunk_written_twice_keeps_one_row_each(db_url):
+    """PostgreSQL writes a new batch's rows with COPY; rows that exist already make it fall back
+    to the upsert, which skips them (SQLite upserts always)."""
+    from worker.store import job_row
+
+    store = Store(db_url, auto_upgrade=True)
+    batch_id, _ = store.open_batch(name="twice", input_file=None, model="m")
+    rows = [job_row(model="m", prompt=f"p{i}\x00", custom_id=f"c{i}", line_no=i, messages=None) for i in (1, 2)]
+    bad = [job_row(model="m", line_no=3, error="line 3: malformed JSON")]
+    for _ in range(2):
+        store.write_chunk(batch_id, rows, bad, reopened=False)
+    jobs = store.jobs(batch_id)
+    assert [(j.line_no, j.prompt, j.params) for j in jobs] == [(1, "p1\x00", {}), (2, "p2\x00", {}),
+                                                              (3, None, {})]
