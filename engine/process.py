@@ -318,6 +318,7 @@ class _Sender:
         self.conn = conn
         self.lock = threading.Lock()
         self.steps: list[tuple[float, int, int]] = []
+        self.steps_lock = threading.Lock()
 
     def send(self, message: tuple) -> None:
         with self.lock:
@@ -327,13 +328,15 @@ class _Sender:
                 os._exit(0)
 
     def observe_step(self, seconds: float, tokens: int, batch: int) -> None:
-        self.steps.append((seconds, tokens, batch))
+        with self.steps_lock:
+            self.steps.append((seconds, tokens, batch))
 
     def flush_steps_forever(self) -> None:
         while True:
             time.sleep(STEP_FLUSH_SECONDS)
-            if self.steps:
+            with self.steps_lock:  # no step is appended to a list already sent
                 steps, self.steps = self.steps, []
+            if steps:
                 self.send(("steps", steps))
 
 

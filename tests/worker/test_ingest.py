@@ -19,14 +19,9 @@ from worker.models import FAILED, QUEUED, SUCCEEDED
 from worker.pacer import Pacer
 from worker.store import INVALID_INPUT, Store
 
+from tests.worker.test_lanes import producer  # noqa: F401  (fixture: a client with a 20-message pacing window)
 
-@pytest.fixture
-def producer(db_url, redis_url, unique_queue, monkeypatch):
-    monkeypatch.setenv("SPECBATCH_PACING_WINDOW", "20")
-    store = Store(db_url, auto_upgrade=True)
-    client = Client(broker_url=redis_url, database_url=db_url, model="tiny", queue=unique_queue, store=store)
-    yield client
-    redis.Redis.from_url(redis_url).delete(*lane_queues(unique_queue))
+
 
 
 def _ingest(client: Client, chunk: int, **kw) -> Ingest:
