@@ -51,7 +51,7 @@ def _client(ctx: click.Context, **kw):
 @click.option("--batch-name", default=None, help="Batch to create or resume (default: the file's path and model).")
 @click.option("--retry-failed", is_flag=True, help="Run again jobs that failed or were cancelled before.")
 @click.option("--device", default=None, help="Device of a local worker: cpu or cuda:N.")
-@click.option("--concurrency", type=int, default=None, help="Task threads of a local worker (default: 2 x max-num-seqs).")
+@click.option("--concurrency", type=int, default=None, help="Task threads of a local worker (default: 2 x max-num-seqs, plus the interactive reserve).")
 @click.option("--max-num-seqs", type=int, default=None, help="Engine batch size of a local worker.")
 @click.option("--local-worker/--no-local-worker", default=True, help="Start a worker here if none consumes the queue.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many seconds.")
@@ -332,7 +332,7 @@ def _wait_job(client, job_id: str, wait_s: float, worker, hint: str) -> None:
 @click.option("--model", default=None)
 @click.option("--queue", default=None,
               help="Queue to consume (default gen.<model-slug>), with its interactive lane <queue>.interactive first.")
-@click.option("--concurrency", "-c", type=int, default=None, help="Task threads (default: 2 x max-num-seqs).")
+@click.option("--concurrency", "-c", type=int, default=None, help="Task threads (default: 2 x max-num-seqs for bulk work, plus the interactive reserve).")
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--name", default=None, help="Node name (default <device>@<host>).")
 @click.option("--loglevel", default="info")
@@ -387,14 +387,24 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     configure(broker)
     seqs = int(env("MAX_NUM_SEQS", "64"))
     node = worker_name(device) if name is None else (name if "@" in name else f"{name}@{socket.gethostname()}")
-    # Twice the engine's batch: finished sequences are replaced from the engine's own waiting
-    # queue at the next step, instead of the batch draining while threads ack and fetch anew.
+    concurrency = concurrency or default_concurrency(seqs)
     lanes = lane_queues(settings.queue_name)  # interactive first: kombu polls them in this order
-    argv = ["worker", "-P", "threads", "-c", str(concurrency or 2 * seqs), "-Q", ",".join(lanes), "-n", node,
+    argv = ["worker", "-P", "threads", "-c", str(concurrency), "-Q", ",".join(lanes), "-n", node,
             "-E", "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
     console.print(f"worker {node}: queues {', '.join(lanes)}, broker {redact_url(broker)}, "
                   f"database {redact_url(settings.database_url)}", soft_wrap=True)
     app.worker_main(argv)
+
+
+def default_concurrency(max_num_seqs: int) -> int:
+    """Task threads when none are asked for: twice the engine's batch for bulk work, so finished
+    sequences are replaced from the engine's own waiting queue at the next step instead of the
+    batch draining while threads ack and fetch anew, plus the interactive lane's reserve on top
+    (a reserve carved out of 2 x batch left the last bulk jobs of a run waiting in Redis for a
+    whole wave: ``bench/queue.py``)."""
+    from .governor import interactive_reserve_for
+
+    return 2 * max_num_seqs + interactive_reserve_for(2 * max_num_seqs)
 
 
 def _speculation_env(speculative: str | None, draft_model: str | None) -> None:

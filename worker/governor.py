@@ -24,9 +24,18 @@ from .lanes import INTERACTIVE
 log = logging.getLogger(__name__)
 
 
+def interactive_reserve_for(bulk_threads: int) -> int:
+    """The reserve that leaves ``bulk_threads`` to bulk work (``SPECBATCH_INTERACTIVE_RESERVE``;
+    default 1/8 of the bulk threads, at least one)."""
+    default = max(1, bulk_threads // 8) if bulk_threads > 0 else 0
+    return max(0, int(env("INTERACTIVE_RESERVE", str(default))))
+
+
 def interactive_reserve(concurrency: int) -> int:
-    """Task threads bulk work may not take (``SPECBATCH_INTERACTIVE_RESERVE``; default 1/8)."""
-    default = max(1, concurrency // 8) if concurrency > 1 else 0
+    """Task threads bulk work may not take out of ``concurrency`` (``SPECBATCH_INTERACTIVE_RESERVE``;
+    default 1/9 of them, so the default concurrency, 2 x max-num-seqs plus a reserve of 1/8 of
+    that, leaves bulk work exactly 2 x max-num-seqs)."""
+    default = max(1, concurrency // 9) if concurrency > 1 else 0
     return min(max(0, int(env("INTERACTIVE_RESERVE", str(default)))), max(0, concurrency - 1))
 
 
