@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -140,42 +141,64 @@ class Ingest:
         self.chunk = chunk
         self.on_chunk = on_chunk
         self.seen = SeenIds()
+        self._pending: Future | None = None  # the chunk the writer thread holds
 
     def run(self, source: str | Path | Iterable[Any], *, name: str | None, input_file: str | None,
             params: dict[str, Any] | None = None, max_in_flight: int | None = None) -> IngestResult:
+        """Read ``source`` into a batch. Two stages overlap: this thread parses and counts chunk
+        k+1 while one writer thread stores (and paces) chunk k; a database write mostly waits on
+        the server or on SQLite's C code, with the GIL released. At most one chunk is in the
+        writer's hands, so memory stays at two chunks, and chunks are written in file order."""
         t0 = time.perf_counter()
         batch_id, reopened = self.store.open_batch(name=name, input_file=input_file, model=self.model,
                                                    params=params, priority=self.priority,
                                                    max_in_flight=max_in_flight)
         result = IngestResult(batch_id)
-        last_pace = 0.0
-        for lines in _chunked(numbered_lines(source), FIRST_CHUNK, self.chunk):
-            good, bad = self._parse(lines, batch_id)
-            rows = [self._row(r) for r in good]
-            invalid = [job_row(model=self.model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
-                       for b in bad]
+        last_pace = [0.0]
+
+        def write(rows: list[dict[str, Any]], invalid: list[dict[str, Any]], bad: list[BadLine]) -> None:
             written = self.store.write_chunk(batch_id, rows, invalid, reopened=reopened,
                                              retry_failed=self.retry_failed)
-            result.num_good += len(good)
+            result.num_good += len(rows)  # counted once stored, so ``on_chunk`` sees what is written
             result.num_bad += len(bad)
             result.bad_lines += bad[: max(0, KEEP_BAD - len(result.bad_lines))]
             result.enqueued += len(written.to_enqueue)
             result.skipped_succeeded += written.skipped_succeeded
             result.skipped_failed += written.skipped_failed
             now = time.perf_counter()
-            if self.pace is not None and written.to_enqueue and now - last_pace >= PACE_SECONDS:
+            if self.pace is not None and written.to_enqueue and now - last_pace[0] >= PACE_SECONDS:
                 result.published += self.pace()
-                last_pace = now
+                last_pace[0] = now
             if result.first_chunk_s is None:
                 result.first_chunk_s = time.perf_counter() - t0
             if self.on_chunk is not None:
                 self.on_chunk(result)
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-ingest-writer") as writer:
+            try:
+                for lines in _chunked(numbered_lines(source), FIRST_CHUNK, self.chunk):
+                    good, bad = self._parse(lines, batch_id)
+                    rows = [self._row(r) for r in good]
+                    invalid = [job_row(model=self.model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
+                               for b in bad]
+                    self._wait_for_writer()  # the previous chunk is stored (or its error raised here)
+                    self._pending = writer.submit(write, rows, invalid, bad)
+                self._wait_for_writer()
+            finally:
+                if self._pending is not None:  # an error above: let the write in flight end
+                    self._pending.exception()
+                self._pending = None
         self.store.finish_ingest(batch_id)
         if self.pace is not None:
             result.published += self.pace()
         result.bad_lines.sort(key=lambda b: b.line_no)
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _wait_for_writer(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _row(self, r: Request) -> dict[str, Any]:
         prio = self.priority if r.priority is None else r.priority
@@ -225,7 +248,9 @@ class Ingest:
         self.seen.add(np.array(new_h, dtype=np.int64), np.array(new_l, dtype=np.int64))
 
     def _first_line(self, batch_id: str, custom_id: str, line_no: int) -> int:
-        """The earlier line holding ``custom_id`` (every earlier chunk is in the store), or 0."""
+        """The earlier line holding ``custom_id`` (every earlier chunk is in the store once the
+        writer is done with the one it holds), or 0."""
+        self._wait_for_writer()
         first = self.store.custom_id_line(batch_id, custom_id)
         return first if first is not None and first < line_no else 0
 
