@@ -6,14 +6,19 @@ cost per job around it (message, claim, heartbeat, result write, ack). For each 
 2. the same prompts as one batch through Redis + a Celery worker + the store (``Client.submit_batch``
    then ``Client.wait``), the worker started and warmed first: jobs/s from the first job enqueued
    to the last result stored.
-Prints both and the ratio (goal >= 0.7x).
+Rounds alternate the two sides (fresh prompts each round) and the median ratio is printed
+(goal >= 0.7x), with the CPU time per job of the worker process and of its engine process:
+on a small host the two share the cores.
 
-    python -m bench.tiny_jobs [--jobs 5000] [--databases sqlite,postgresql]
+    python -m bench.tiny_jobs [--jobs 5000] [--rounds 3] [--databases sqlite,postgresql]
+                              [--engine-threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 import time
 import uuid
@@ -43,44 +48,85 @@ def make_model(workdir: Path) -> str:
                                intermediate_size=512))
 
 
-def conversations(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"Is review {i} positive or negative? 'It was fine, {i}.'"}]
+def conversations(n: int, round_no: int = 0) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Is review {i} positive or negative? 'It was fine, {i}, r{round_no}.'"}]
             for i in range(n)]
 
 
-def in_process(model: str, convs, max_num_seqs: int) -> float:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model, device="cpu", max_num_seqs=max_num_seqs)
-    llm.chat(convs[:8], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.chat(convs, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-    dt = time.perf_counter() - t0
-    assert len(outs) == len(convs)
-    return len(convs) / dt
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def through_queue(model: str, convs, max_num_seqs: int, db_url: str, workdir: Path) -> dict:
-    from worker.client import Client
-    from worker.config import Settings
-    from worker.local import LocalWorker
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
 
-    queue = f"gen.tiny-{uuid.uuid4().hex[:8]}"
-    client = Client(database_url=db_url, model=model, queue=queue)
-    settings = Settings(broker_url=client.settings.broker_url, database_url=db_url, model=model, queue=queue)
-    worker = LocalWorker(settings, max_num_seqs=max_num_seqs, log_path=str(workdir / f"worker-{queue}.log"))
-    try:
-        while not client.workers_consuming(queue, timeout=0.5):
-            if not worker.alive:
-                raise SystemExit((workdir / f"worker-{queue}.log").read_text()[-3000:])
-            time.sleep(0.3)
-        warm = client.submit_batch([{"messages": c, "max_tokens": 1} for c in convs[:8]], name=f"warm-{queue}")
-        client.wait(warm.batch_id, timeout=300)
-        rows = [{"custom_id": f"t{i}", "messages": c, "max_tokens": 1, "temperature": 0} for i, c in enumerate(convs)]
+
+class InProcess:
+    """``LLM.chat`` in this process, built and warmed once."""
+
+    def __init__(self, model: str, max_num_seqs: int) -> None:
+        from engine import LLM, SamplingParams
+
+        self.llm = LLM(model, device="cpu", max_num_seqs=max_num_seqs)
+        self.llm.chat(conversations(8, -1), SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+
+    def run(self, convs) -> float:
+        from engine import SamplingParams
+
         t0 = time.perf_counter()
-        batch = client.submit_batch(rows, name=queue)
+        outs = self.llm.chat(convs, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert len(outs) == len(convs)
+        return len(convs) / dt
+
+
+class QueuePath:
+    """A worker started, ready and warmed once; each round submits one batch and waits for it."""
+
+    def __init__(self, model: str, max_num_seqs: int, db_url: str, workdir: Path,
+                 engine_threads: int | None) -> None:
+        from worker.client import Client
+        from worker.config import Settings
+        from worker.local import LocalWorker
+
+        self.queue = f"gen.tiny-{uuid.uuid4().hex[:8]}"
+        self.client = Client(database_url=db_url, model=model, queue=self.queue)
+        settings = Settings(broker_url=self.client.settings.broker_url, database_url=db_url, model=model,
+                            queue=self.queue)
+        extra = {"SPECBATCH_ENGINE_THREADS": str(engine_threads)} if engine_threads else {}
+        log = workdir / f"worker-{self.queue}.log"
+        self.worker = LocalWorker(settings, max_num_seqs=max_num_seqs, log_path=str(log), extra_env=extra)
+        try:
+            while not self.client.workers_consuming(self.queue, timeout=0.5):
+                if not self.worker.alive:
+                    raise SystemExit(log.read_text()[-3000:])
+                time.sleep(0.3)
+            warm = self.client.submit_batch([{"messages": c, "max_tokens": 1} for c in conversations(8, -1)],
+                                            name=f"warm-{self.queue}")
+            self.client.wait(warm.batch_id, timeout=300)
+        except BaseException:
+            self.worker.stop()
+            raise
+
+    def run(self, convs, round_no: int) -> dict:
+        client = self.client
+        rows = [{"custom_id": f"t{i}", "messages": c, "max_tokens": 1, "temperature": 0} for i, c in enumerate(convs)]
+        worker_pid = self.worker.proc.pid
+        engines = child_pids(worker_pid)
+        cpu0 = cpu_seconds(worker_pid), sum(cpu_seconds(p) for p in engines)
+        t0 = time.perf_counter()
+        batch = client.submit_batch(rows, name=f"{self.queue}-r{round_no}")
         counts = client.wait(batch.batch_id, timeout=3600)
         wall = time.perf_counter() - t0
+        cpu1 = cpu_seconds(worker_pid), sum(cpu_seconds(p) for p in engines)
         jobs = client.store.jobs(batch.batch_id)
         window = max(j.finished_at for j in jobs) - min(j.enqueued_at for j in jobs)
         done = [j for j in jobs if j.started_at and j.first_scheduled_at and j.finished_at]
@@ -89,31 +135,51 @@ def through_queue(model: str, convs, max_num_seqs: int, db_url: str, workdir: Pa
             "claimed->scheduled": sum(j.first_scheduled_at - j.started_at for j in done) / len(done),
             "scheduled->finished": sum(j.finished_at - j.first_scheduled_at for j in done) / len(done),
         }
-        return {"jobs_s": len(jobs) / window, "wall_s": wall, "window_s": window, "counts": counts, "parts": parts}
-    finally:
-        worker.stop()
+        return {"jobs_s": len(jobs) / window, "wall_s": wall, "window_s": window, "counts": counts, "parts": parts,
+                "worker_cpu_ms": 1e3 * (cpu1[0] - cpu0[0]) / len(jobs),
+                "engine_cpu_ms": 1e3 * (cpu1[1] - cpu0[1]) / len(jobs)}
+
+    def close(self) -> None:
+        self.worker.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating in-process / queue rounds (median ratio)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--databases", default="sqlite,postgresql")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="the worker's --engine-threads (default: the worker's own default, one per core)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model = make_model(workdir)
-        convs = conversations(args.jobs)
-        print(f"{args.jobs} one-token jobs, tiny model (4 layers, hidden 256), max_num_seqs {args.max_num_seqs}",
-              flush=True)
+        print(f"{args.jobs} one-token jobs, tiny model (4 layers, hidden 256), max_num_seqs {args.max_num_seqs}, "
+              f"engine threads {args.engine_threads or 'default'}, {os.cpu_count()} CPUs", flush=True)
+        in_process = InProcess(model, args.max_num_seqs)
         for db in args.databases.split(","):
-            local = in_process(model, convs, args.max_num_seqs)
             url = f"sqlite:///{workdir / 'tiny.db'}" if db == "sqlite" else fresh_pg_schema()
-            q = through_queue(model, convs, args.max_num_seqs, url, workdir)
-            print(f"[{db}] in process {local:.1f} jobs/s; queue {q['jobs_s']:.1f} jobs/s "
-                  f"({q['window_s']:.1f} s first enqueue -> last result, {q['counts']}): "
-                  f"{q['jobs_s'] / local:.2f}x (goal >= 0.7x)", flush=True)
-            print("    mean s per job: " + ", ".join(f"{k} {v:.3f}" for k, v in q["parts"].items()), flush=True)
+            queue_path = QueuePath(model, args.max_num_seqs, url, workdir, args.engine_threads)
+            ratios = []
+            try:
+                for r in range(args.rounds):
+                    convs = conversations(args.jobs, r)
+                    order = ("in-process", "queue") if r % 2 == 0 else ("queue", "in-process")
+                    got = {side: in_process.run(convs) if side == "in-process" else queue_path.run(convs, r)
+                           for side in order}
+                    local, q = got["in-process"], got["queue"]
+                    ratios.append(q["jobs_s"] / local)
+                    print(f"[{db}] round {r + 1} ({' then '.join(order)}): in process {local:.1f} jobs/s; queue "
+                          f"{q['jobs_s']:.1f} jobs/s ({q['window_s']:.1f} s first enqueue -> last result, "
+                          f"{q['counts']}): {ratios[-1]:.2f}x", flush=True)
+                    print("    mean s per job: " + ", ".join(f"{k} {v:.3f}" for k, v in q["parts"].items()) +
+                          f"; CPU per job: worker process {q['worker_cpu_ms']:.1f} ms, engine process "
+                          f"{q['engine_cpu_ms']:.1f} ms", flush=True)
+            finally:
+                queue_path.close()
+            print(f"[{db}] ratio queue / in process: median {statistics.median(ratios):.2f}x over {len(ratios)} "
+                  f"rounds ({', '.join(f'{x:.2f}' for x in ratios)}) (goal >= 0.7x)", flush=True)
 
 
 if __name__ == "__main__":
