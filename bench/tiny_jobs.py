@@ -11,7 +11,7 @@ Rounds alternate the two sides (fresh prompts each round) and the median ratio i
 on a small host the two share the cores.
 
     python -m bench.tiny_jobs [--jobs 5000] [--rounds 3] [--databases sqlite,postgresql]
-                              [--engine-threads N]
+                              [--engine-threads N] [--concurrency N]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class QueuePath:
     """A worker started, ready and warmed once; each round submits one batch and waits for it."""
 
     def __init__(self, model: str, max_num_seqs: int, db_url: str, workdir: Path,
-                 engine_threads: int | None) -> None:
+                 engine_threads: int | None, concurrency: int | None = None) -> None:
         from worker.client import Client
         from worker.config import Settings
         from worker.local import LocalWorker
@@ -103,7 +103,8 @@ class QueuePath:
                             queue=self.queue)
         extra = {"SPECBATCH_ENGINE_THREADS": str(engine_threads)} if engine_threads else {}
         log = workdir / f"worker-{self.queue}.log"
-        self.worker = LocalWorker(settings, max_num_seqs=max_num_seqs, log_path=str(log), extra_env=extra)
+        self.worker = LocalWorker(settings, max_num_seqs=max_num_seqs, log_path=str(log), extra_env=extra,
+                                  concurrency=concurrency)
         try:
             while not self.client.workers_consuming(self.queue, timeout=0.5):
                 if not self.worker.alive:
@@ -151,16 +152,20 @@ def main() -> None:
     ap.add_argument("--databases", default="sqlite,postgresql")
     ap.add_argument("--engine-threads", type=int, default=None,
                     help="the worker's --engine-threads (default: the worker's own default, one per core)")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="the worker's task threads (default: the worker's own, 2 x max-num-seqs plus the "
+                         "interactive reserve): how many jobs it holds at once")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model = make_model(workdir)
         print(f"{args.jobs} one-token jobs, tiny model (4 layers, hidden 256), max_num_seqs {args.max_num_seqs}, "
-              f"engine threads {args.engine_threads or 'default'}, {os.cpu_count()} CPUs", flush=True)
+              f"engine threads {args.engine_threads or 'default'}, worker concurrency {args.concurrency or 'default'}, "
+              f"{os.cpu_count()} CPUs", flush=True)
         in_process = InProcess(model, args.max_num_seqs)
         for db in args.databases.split(","):
             url = f"sqlite:///{workdir / 'tiny.db'}" if db == "sqlite" else fresh_pg_schema()
-            queue_path = QueuePath(model, args.max_num_seqs, url, workdir, args.engine_threads)
+            queue_path = QueuePath(model, args.max_num_seqs, url, workdir, args.engine_threads, args.concurrency)
             ratios = []
             try:
                 for r in range(args.rounds):
