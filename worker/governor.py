@@ -24,19 +24,25 @@ from .lanes import INTERACTIVE
 log = logging.getLogger(__name__)
 
 
+def _reserve_setting() -> int | None:
+    """``SPECBATCH_INTERACTIVE_RESERVE`` when set: the reserve whatever the concurrency."""
+    value = env("INTERACTIVE_RESERVE")
+    return None if value is None else max(0, int(value))
+
+
 def interactive_reserve_for(bulk_threads: int) -> int:
-    """The reserve that leaves ``bulk_threads`` to bulk work (``SPECBATCH_INTERACTIVE_RESERVE``;
-    default 1/8 of the bulk threads, at least one)."""
-    default = max(1, bulk_threads // 8) if bulk_threads > 0 else 0
-    return max(0, int(env("INTERACTIVE_RESERVE", str(default))))
+    """The reserve to add on top of ``bulk_threads`` (default 1/8 of them, at least one)."""
+    setting = _reserve_setting()
+    return setting if setting is not None else (max(1, bulk_threads // 8) if bulk_threads > 0 else 0)
 
 
 def interactive_reserve(concurrency: int) -> int:
-    """Task threads bulk work may not take out of ``concurrency`` (``SPECBATCH_INTERACTIVE_RESERVE``;
-    default 1/9 of them, so the default concurrency, 2 x max-num-seqs plus a reserve of 1/8 of
-    that, leaves bulk work exactly 2 x max-num-seqs)."""
-    default = max(1, concurrency // 9) if concurrency > 1 else 0
-    return min(max(0, int(env("INTERACTIVE_RESERVE", str(default)))), max(0, concurrency - 1))
+    """Task threads bulk work may not take out of ``concurrency``: the inverse of
+    ``interactive_reserve_for`` (default 1/9 of them), so the default concurrency, 2 x
+    max-num-seqs plus a reserve of 1/8 of that, leaves bulk work exactly 2 x max-num-seqs."""
+    setting = _reserve_setting()
+    reserve = setting if setting is not None else (max(1, concurrency // 9) if concurrency > 1 else 0)
+    return min(reserve, max(0, concurrency - 1))
 
 
 class LaneGovernor(bootsteps.StartStopStep):

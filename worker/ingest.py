@@ -154,9 +154,10 @@ class Ingest:
                                                    params=params, priority=self.priority,
                                                    max_in_flight=max_in_flight)
         result = IngestResult(batch_id)
-        last_pace = [0.0]
+        last_pace = 0.0
 
         def write(rows: list[dict[str, Any]], invalid: list[dict[str, Any]], bad: list[BadLine]) -> None:
+            nonlocal last_pace
             written = self.store.write_chunk(batch_id, rows, invalid, reopened=reopened,
                                              retry_failed=self.retry_failed)
             result.num_good += len(rows)  # counted once stored, so ``on_chunk`` sees what is written
@@ -166,9 +167,9 @@ class Ingest:
             result.skipped_succeeded += written.skipped_succeeded
             result.skipped_failed += written.skipped_failed
             now = time.perf_counter()
-            if self.pace is not None and written.to_enqueue and now - last_pace[0] >= PACE_SECONDS:
+            if self.pace is not None and written.to_enqueue and now - last_pace >= PACE_SECONDS:
                 result.published += self.pace()
-                last_pace[0] = now
+                last_pace = now
             if result.first_chunk_s is None:
                 result.first_chunk_s = time.perf_counter() - t0
             if self.on_chunk is not None:
