@@ -403,6 +403,10 @@ class LLMEngine:
                 # max_tokens limit, which then did not cut anything).
                 seq.finish_reason, seq.stop_reason, finished = "stop", None, True
             if finished:
+                # Its prompt's KV is computed: cache it before the blocks are freed, or requests
+                # that waited a step to share this prompt's prefix (the scheduler's in-batch prefix
+                # sharing) would find nothing and compute it again, one request per step.
+                self.block_manager.cache_full_blocks(seq)
                 self._finish(seq, seq.finish_reason)
                 break
         if seq.logprobs is not None and len(seq.logprobs) > seq.num_output_tokens:

@@ -136,3 +136,21 @@ def test_engine_loop_submit_takes_a_cache_salt(tiny_model_dir):
         assert loop.submit(prompt, params=params, cache_salt="a").result(timeout=60).num_cached_tokens == 48
     finally:
         loop.shutdown(drain_timeout=5)
+
+
+def test_one_token_requests_sharing_a_prefix_run_together(tiny_model_dir):
+    """A request that ends in its prefill step (max_tokens=1) still leaves its prompt blocks in
+    the prefix cache: the requests that waited a step to share them find them there. (They were
+    freed uncached, so each waiting request computed the prefix alone: one request per step.)"""
+    shared = "an instruction shared by every line of this bulk job, longer than 3 blocks. "
+    prompts = [shared + f"item {i}" for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm = LLM(tiny_model_dir, device="cpu", block_size=16, max_num_seqs=32)
+    steps_before = llm.engine.scheduler.num_steps
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_steps - steps_before <= 3
+    assert min(o.num_cached_tokens for o in outs[1:]) >= 48
+    config = EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=32, enable_prefix_caching=False)
+    plain = LLM.from_engine(LLMEngine(config, model=llm.engine.model, tokenizer=llm.engine.tokenizer))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
+                                                       plain.generate(prompts, params, use_tqdm=False)]
