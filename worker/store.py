@@ -17,6 +17,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from sqlalchemy import (JSON, Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select,
@@ -371,10 +372,7 @@ class Store:
                payload: dict[str, Any] | None, queue: str | None) -> Claim:
         for _ in range(5):
             now = time.time()
-            row = conn.execute(
-                select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
-                .where(Job.id == job_id)
-            ).first()
+            row = conn.execute(_CLAIM_READ, {"p_job_id": job_id}).first()
             if row is None:
                 if payload is None:
                     return Claim(None, "unknown job")
@@ -396,13 +394,10 @@ class Store:
                                   "died or lost its lease mid-job")
                 )
                 return Claim(None, "attempts exhausted")
-            res = conn.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
-                .values(status=RUNNING, attempts=attempts + 1, worker=worker, device=device,
-                        started_at=now, heartbeat_at=now, error=None, error_type=None,
-                        queue_wait_s=now - Job.enqueued_at, queue=func.coalesce(queue, Job.queue))
-            )
+            res = conn.execute(_CLAIM_WRITE, {
+                "p_job_id": job_id, "p_attempts": attempts, "p_status": status, "p_next_attempt": attempts + 1,
+                "p_worker": worker, "p_device": device, "p_now": now, "p_queue": queue,
+            })
             if res.rowcount == 1:
                 return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now)
         return Claim(None, "lost the race to another attempt")
@@ -434,11 +429,8 @@ class Store:
     def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
         """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
         def write(conn: Connection) -> bool:
-            res = conn.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING)
-                .values(**values)
-            )
+            params = {f"v_{k}": v for k, v in values.items()}
+            res = conn.execute(_finish_statement(tuple(values)), dict(params, p_job_id=job_id, p_attempt=attempt))
             return res.rowcount == 1
 
         return self._write_op(write)
@@ -858,6 +850,32 @@ class Store:
             ingested = conn.execute(select(Batch.ingested_at).where(Batch.id == batch_id)).scalar()
         counts = self.batch_counts(batch_id)
         return counts, ingested is not None and counts[QUEUED] == 0 and counts[RUNNING] == 0
+
+
+# A worker's per-job statements, built once: building a Core statement and its cache key cost
+# more of a one-token job's worker CPU than executing it (py-spy: about half of the group
+# commit's time went to ``update(...).values(...)`` and ``_generate_cache_key``).
+_CLAIM_READ = (select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
+               .where(Job.id == bindparam("p_job_id")))
+_CLAIM_WRITE = (  # bound names are not column names: SET's own parameters take those
+    update(Job)
+    .where(Job.id == bindparam("p_job_id"), Job.attempts == bindparam("p_attempts"),
+           Job.status == bindparam("p_status"))
+    .values(status=RUNNING, attempts=bindparam("p_next_attempt"), worker=bindparam("p_worker"),
+            device=bindparam("p_device"), started_at=bindparam("p_now"), heartbeat_at=bindparam("p_now"),
+            error=None, error_type=None,
+            queue_wait_s=bindparam("p_now", type_=Job.__table__.c.started_at.type) - Job.enqueued_at,
+            queue=func.coalesce(bindparam("p_queue", type_=Job.__table__.c.queue.type), Job.queue))
+)
+
+
+@lru_cache(maxsize=64)
+def _finish_statement(columns: tuple[str, ...]):
+    """The fenced result UPDATE for one set of result columns (bound as ``v_<column>``)."""
+    table = Job.__table__
+    return (update(Job)
+            .where(Job.id == bindparam("p_job_id"), Job.attempts == bindparam("p_attempt"), Job.status == RUNNING)
+            .values({c: bindparam(f"v_{c}", type_=table.c[c].type) for c in columns}))
 
 
 def job_row(
