@@ -158,3 +158,19 @@ def test_a_loop_that_dies_in_the_child_reports_why(tiny_model_dir, monkeypatch):
         assert died.wait(10) and not engine.running
     finally:
         engine.shutdown(drain_timeout=0.5)
+
+
+def test_the_engine_child_spins_briefly_unless_openmp_is_configured(engine_process, monkeypatch):
+    """The child's OpenMP threads sleep after a short spin, leaving the worker's threads the cores."""
+    from engine.process import child_env
+
+    environ = dict(kv.split("=", 1) for kv in
+                   open(f"/proc/{engine_process.pid}/environ").read().split("\0") if "=" in kv)
+    assert environ.get("GOMP_SPINCOUNT") == child_env().get("GOMP_SPINCOUNT")
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SPECBATCH_ENGINE_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert child_env()["GOMP_SPINCOUNT"] == "1000"
+    monkeypatch.setenv("SPECBATCH_ENGINE_SPINCOUNT", "0")
+    assert child_env()["GOMP_SPINCOUNT"] == "0"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the operator's own OpenMP settings win
+    assert "GOMP_SPINCOUNT" not in child_env()
