@@ -27,6 +27,7 @@ def test_sigkill_five_times_every_job_once(workers):
     batch_id = client.submit_batch(rows, name="sigkill").batch_id
     rng = random.Random(7)
     recoveries: list[float] = []
+    kills: list[tuple[str, float]] = []
     for _ in range(5):
         time.sleep(rng.uniform(1.0, 3.0))
         victim = rng.choice(pool)
@@ -34,6 +35,7 @@ def test_sigkill_five_times_every_job_once(workers):
         killed_at = time.time()
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait()
+        kills.append((victim.node, killed_at))
         # Its engine process goes with it (it exits when its pipe to the worker closes).
         wait_until(lambda: process_gone(engine), timeout=15, what="the killed worker's engine process to exit")
         orphaned = {j.id: j.attempts for j in client.store.jobs(batch_id, statuses=[RUNNING])
@@ -56,7 +58,11 @@ def test_sigkill_five_times_every_job_once(workers):
     assert all(j.status == SUCCEEDED and j.output_token_ids and len(j.output_token_ids) == 40 for j in jobs)
     assert sum(j.attempts > 1 for j in jobs) > 0, "no kill hit a running job: the test proved nothing"
     written = stored_results(workers.logs())
-    assert {j.id for j in jobs} == set(written), "a job finished without its result being logged as stored"
+    # Every stored result is logged by the worker that wrote it, unless that worker was killed
+    # between its commit and its log lines (a group commit answers many task threads at once).
+    unlogged = [j for j in jobs if j.id not in written]
+    assert all(any(node == j.worker and 0.0 <= at - j.finished_at < 5.0 for node, at in kills) for j in unlogged), \
+        [(j.id, j.worker, j.finished_at) for j in unlogged]
     assert max(written.values()) == 1, {k: v for k, v in written.items() if v > 1}
     assert recoveries and max(recoveries) <= RECOVERY_BOUND, recoveries
     assert len(client.results(batch_id)) == N_JOBS
