@@ -857,14 +857,14 @@ class Store:
 # commit's time went to ``update(...).values(...)`` and ``_generate_cache_key``).
 _CLAIM_READ = (select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
                .where(Job.id == bindparam("p_job_id")))
+_NOW = bindparam("p_now", type_=Job.__table__.c.started_at.type)
 _CLAIM_WRITE = (  # bound names are not column names: SET's own parameters take those
     update(Job)
     .where(Job.id == bindparam("p_job_id"), Job.attempts == bindparam("p_attempts"),
            Job.status == bindparam("p_status"))
     .values(status=RUNNING, attempts=bindparam("p_next_attempt"), worker=bindparam("p_worker"),
-            device=bindparam("p_device"), started_at=bindparam("p_now"), heartbeat_at=bindparam("p_now"),
-            error=None, error_type=None,
-            queue_wait_s=bindparam("p_now", type_=Job.__table__.c.started_at.type) - Job.enqueued_at,
+            device=bindparam("p_device"), started_at=_NOW, heartbeat_at=_NOW, error=None, error_type=None,
+            queue_wait_s=_NOW - Job.enqueued_at,
             queue=func.coalesce(bindparam("p_queue", type_=Job.__table__.c.queue.type), Job.queue))
 )
 
