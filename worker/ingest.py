@@ -14,6 +14,7 @@ matched by custom_id, as any rerun).
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -150,6 +151,10 @@ class Ingest:
         the server or on SQLite's C code, with the GIL released. At most one chunk is in the
         writer's hands, so memory stays at two chunks, and chunks are written in file order."""
         t0 = time.perf_counter()
+        # Objects alive now (modules, torch, the tokenizer: millions of them) move to the
+        # collector's permanent generation, so its collections walk only this ingest's chunks
+        # (parsing a line took 23 us with them walked, 15 without).
+        gc.freeze()
         batch_id, reopened = self.store.open_batch(name=name, input_file=input_file, model=self.model,
                                                    params=params, priority=self.priority,
                                                    max_in_flight=max_in_flight)

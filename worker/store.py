@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 from sqlalchemy import (JSON, Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select,
                         tuple_, update)
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate
@@ -322,10 +323,14 @@ class Store:
         return prepared
 
     def _copy_jobs(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> bool:
-        """PostgreSQL: write new rows with ``COPY`` (several times faster than row-by-row
-        inserts); False elsewhere, or when a row already exists (then the caller upserts, which
-        skips it). Only for rows of a batch just created: their ids and custom_ids are new."""
-        if self.dialect != "postgresql":
+        """Write rows of a batch just created (their ids and custom_ids are new) the fast way:
+        PostgreSQL's ``COPY``, SQLite's ``executemany`` of one plain INSERT on the driver's own
+        connection (SQLAlchemy's per-row parameter processing was half the writer thread's
+        time in a million-line ingest). Values go through each column's own bind processor, as
+        SQLAlchemy would send them; JSON ``None`` is SQL NULL, as with ``COPY``. Both run in a
+        savepoint of the chunk's transaction; False when a row already exists (then the caller
+        upserts, which skips it) or on another dialect."""
+        if self.dialect not in ("postgresql", "sqlite"):
             return False
         cols = list(rows[0])
         table = Job.__table__
@@ -333,13 +338,28 @@ class Store:
                  for c in cols]  # JSON as its text, as SQLAlchemy would send it
         quote = conn.dialect.identifier_preparer.quote
         raw = conn.connection.driver_connection
-        sql = f"COPY {quote(table.name)} ({', '.join(quote(c) for c in cols)}) FROM STDIN"
+        names = ", ".join(quote(c) for c in cols)
+
+        def values(row: dict[str, Any]) -> list[Any]:
+            return [v if p is None or v is None else p(v) for p, v in zip(procs, map(row.get, cols))]
+
+        if self.dialect == "sqlite":
+            import sqlite3
+
+            sql = f"INSERT INTO {quote(table.name)} ({names}) VALUES ({', '.join('?' * len(cols))})"
+            try:
+                with conn.begin_nested():
+                    raw.executemany(sql, map(values, rows))
+            except sqlite3.IntegrityError:
+                return False
+            return True
         from psycopg import errors
 
+        sql = f"COPY {quote(table.name)} ({names}) FROM STDIN"
         try:
             with conn.begin_nested(), raw.cursor() as cur, cur.copy(sql) as copy:  # a savepoint in the chunk's transaction
                 for row in rows:
-                    copy.write_row([v if p is None or v is None else p(v) for p, v in zip(procs, map(row.get, cols))])
+                    copy.write_row(values(row))
         except errors.UniqueViolation:
             return False
         return True
@@ -367,6 +387,34 @@ class Store:
         """
         return self._write_op(lambda conn: self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
                                                        max_attempts=max_attempts, payload=payload, queue=queue))
+
+    def claim_many(self, jobs: Sequence[tuple[str, dict[str, Any] | None, str | None]], *, worker: str, device: str,
+                   lease_s: float, max_attempts: int) -> list[Claim | Exception]:
+        """``claim`` of each (job id, payload, queue) in one write (a group message's jobs).
+        A claim that raises (a hostile payload) is retried alone and its error returned in its
+        place, so it fails only its own job; an unreachable database raises, as ``claim``."""
+        def claim_all(conn: Connection) -> list[Claim]:
+            return [self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
+                                max_attempts=max_attempts, payload=payload, queue=queue)
+                    for job_id, payload, queue in jobs]
+
+        try:
+            return list(self._write_op(claim_all))
+        except (OperationalError, InterfaceError):
+            raise
+        except Exception:
+            if len(jobs) == 1:
+                raise
+        out: list[Claim | Exception] = []
+        for job_id, payload, queue in jobs:
+            try:
+                out.append(self.claim(job_id, worker=worker, device=device, lease_s=lease_s,
+                                      max_attempts=max_attempts, payload=payload, queue=queue))
+            except (OperationalError, InterfaceError):
+                raise
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def _claim(self, conn: Connection, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
                payload: dict[str, Any] | None, queue: str | None) -> Claim:
@@ -428,12 +476,19 @@ class Store:
 
     def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
         """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
-        def write(conn: Connection) -> bool:
-            params = {f"v_{k}": v for k, v in values.items()}
-            res = conn.execute(_finish_statement(tuple(values)), dict(params, p_job_id=job_id, p_attempt=attempt))
-            return res.rowcount == 1
+        return self.finish_many([(job_id, attempt, values)])[0]
 
-        return self._write_op(write)
+    def finish_many(self, results: Sequence[tuple[str, int, dict[str, Any]]]) -> list[bool]:
+        """``finish`` of each (job id, attempt, values) in one write; True where it was stored."""
+        def write(conn: Connection) -> list[bool]:
+            stored = []
+            for job_id, attempt, values in results:
+                params = {f"v_{k}": v for k, v in values.items()}
+                res = conn.execute(_finish_statement(tuple(values)), dict(params, p_job_id=job_id, p_attempt=attempt))
+                stored.append(res.rowcount == 1)
+            return stored
+
+        return self._write_op(write) if results else []
 
     def _write_op(self, write: Callable[[Connection], T]) -> T:
         """``write(conn)`` in a write transaction: shared with other threads' writes when this
