@@ -18,6 +18,8 @@ from .lanes import lane_queues
 
 FALLBACK_BROKER = "redis://127.0.0.1:6379/0"
 TASK_NAME = "specbatch.generate"
+#: One message for several short jobs of a batch (``worker.publish.job_groups``).
+GROUP_TASK_NAME = "specbatch.generate_group"
 
 def broker_ssl(broker_url: str) -> dict | None:
     """TLS options for a ``rediss://`` URL that names none: verify the server against the

@@ -2,7 +2,8 @@
 
 A batch's jobs are written to the store unpublished. Each worker process runs one pacer (and
 the producer runs one tick right after writing a batch): whenever a queue holds fewer than
-``window`` waiting messages, it tops the queue up, taking an equal share from every open batch
+``window`` waiting messages, it tops the queue up (a message may carry several short jobs:
+``worker.publish.job_groups``), taking an equal share from every open batch
 that has unpublished jobs (in line order), so two bulk runs progress together instead of one
 after the other, and never more of a batch than its ``max_in_flight`` allows. Redis therefore
 holds a bounded window, not every prompt of a million-line file, and the store stays the one
@@ -17,7 +18,7 @@ import threading
 from typing import Any
 
 from .config import env
-from .publish import publish_jobs
+from .publish import generation_budget, group_jobs, group_tokens, job_groups, publish_jobs
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Pacer:
         self.window = pacing_window() if window is None else window
         self.interval = pacing_seconds() if interval is None else interval
         self._turn = 0  # rotates which batch is served first when shares do not divide evenly
+        self._per_message: dict[str, int] = {}  # batch id -> jobs a message of it carries, as last seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specbatch-pacer", daemon=True)
 
@@ -67,6 +69,7 @@ class Pacer:
     def tick(self) -> int:
         """Top up every queue once; returns how many messages were published."""
         batches = self.store.open_batches()
+        self._per_message = {b: k for b, k in self._per_message.items() if any(b == o for o, _ in batches)}
         if not batches:
             return 0
         published = 0
@@ -84,6 +87,8 @@ class Pacer:
         return published
 
     def _top_up(self, queue: str, waiting: int, batches: list[tuple[str, int | None]]) -> int:
+        """Publish up to ``window - waiting`` messages; a message may carry several short jobs
+        (``job_groups``), so each batch is asked for as many jobs as a message of it carries."""
         room = self.window - waiting
         if room <= 0:
             return 0
@@ -95,19 +100,23 @@ class Pacer:
             share = max(1, room // len(active))
             still: list[tuple[str, int | None]] = []
             for batch_id, cap in active:
-                take = min(share, room)
+                per_message = self._per_message.get(batch_id, 1)
+                take = min(share, room) * per_message
                 if cap is not None:
                     take = min(take, cap - self.store.in_flight(batch_id))
                 got = self.store.take_unpublished(batch_id, queue, take) if take > 0 else []
                 rows += got
-                room -= len(got)
+                if got:
+                    room -= len(job_groups(got, lambda row: row.get("queue") or queue))
+                    # A batch's lines are mostly alike: its next messages will carry as many as its last line's would.
+                    self._per_message[batch_id] = max(1, min(group_jobs(), group_tokens() // generation_budget(got[-1])))
                 if got and len(got) == take:
                     still.append((batch_id, cap))  # it may have more
                 if room <= 0:
                     break
             active = still
         if rows:
-            publish_jobs(self.app, rows, lambda row: row.get("queue") or queue)
+            publish_jobs(self.app, rows, lambda row: row.get("queue") or queue, grouped=True)
         return len(rows)
 
     def close_drained(self) -> None:

@@ -128,6 +128,43 @@ def speculative_config(spec: str, draft_model: str | None = None) -> dict[str, A
     return config
 
 
+def group_slot_count() -> int:
+    """Jobs of group messages (short bulk jobs, ``worker.publish.job_groups``) a worker process
+    holds claimed at once: ``GROUP_HELD_JOBS``, default 4 x max-num-seqs. Enough for the engine
+    to fill every step; without a bound, 128 task threads holding 32 jobs each claimed a whole
+    5,000-job batch at once, leaving other workers nothing and the engine a queue of thousands."""
+    return max(1, int(env("GROUP_HELD_JOBS", str(4 * int(env("MAX_NUM_SEQS", "64"))))))
+
+
+class JobSlots:
+    """A count of jobs a process may hold, taken a group at a time: all of a group's slots at
+    once or none (threads each holding part of what they need would wait on one another).
+    A release wakes only as many waiters as the free slots can serve (groups are mostly of one
+    size): waking every waiting task thread at each finished job cost the worker half a
+    millisecond of CPU a job. A waiter also wakes on its own timeout and looks again."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._free = total
+        self._typical = 1  # the size of the last group taken
+        self._cond = threading.Condition()
+
+    def take(self, n: int, timeout: float) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free >= n, timeout):
+                return False
+            self._free -= n
+            self._typical = n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self._free += n
+            servable = self._free // self._typical
+            if servable:
+                self._cond.notify(servable)
+
+
 @dataclass
 class Runtime:
     """The process's loaded model and running loop, plus the jobs it is generating."""
@@ -145,6 +182,7 @@ class Runtime:
     metrics: Any = None  # the process's WorkerMetrics when SPECBATCH_METRICS_PORT is set
     draining: bool = False  # warm shutdown began: hand new messages back, give back what is left
     dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
+    group_slots: "JobSlots" = field(default_factory=lambda: JobSlots(group_slot_count()))
 
     def heartbeats(self, store: Any, interval: float) -> Any:
         """The process's one ``Heartbeat`` (refreshing every running job's lease), started once."""

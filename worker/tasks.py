@@ -1,29 +1,36 @@
-"""The one Celery task: generate a job on this process's engine, idempotently.
+"""The Celery tasks: generate a job (or a message's group of short jobs) on this process's
+engine, idempotently.
 
 Check the store first (a job that already succeeded is never generated again), claim a new
-attempt, submit to the running loop, wait while the process's one heartbeat keeps the lease
-fresh (which is also how a cancel is noticed: see ``worker.heartbeat``), then write the result
-fenced by the attempt number. The message is acked only after that write (``acks_late``); a
-worker that dies before it leaves the job ``running`` with a lease that stops being refreshed,
-and any worker's reaper puts it back in the queue (``worker.reaper``). A worker that cannot go
-on (draining, a dead engine loop) gives its jobs back at once: queued, with a new message.
+attempt (a group's in one write), submit to the running loop, wait while the process's one
+heartbeat keeps the lease fresh (which is also how a cancel is noticed: see
+``worker.heartbeat``), then write the result fenced by the attempt number (results finishing
+together in one write). The message is acked only after every job of it is written
+(``acks_late``); a worker that dies before it leaves the job ``running`` with a lease that
+stops being refreshed, and any worker's reaper puts it back in the queue (``worker.reaper``).
+A worker that cannot go on (draining, a dead engine loop) gives its jobs back at once: queued,
+with a new message.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from celery.worker.control import control_command
 
 from . import runtime
-from .app import TASK_NAME, app
+from .app import GROUP_TASK_NAME, TASK_NAME, app
 from .config import env, max_job_seconds, model_slug
 from .dbretry import with_db_retry
 from .logprobs import Pieces, pack
 from .models import FAILED, SUCCEEDED
 from .request import request_from_payload
+from .store import Claim
 
 log = logging.getLogger(__name__)
 
@@ -70,37 +77,121 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
 @app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
 def generate(self, job_id: str, payload: dict[str, Any]) -> dict[str, Any]:
     """Returns a compact summary (Flower shows it as the task's result; the store has the rest)."""
+    return run_jobs(self, [(job_id, payload)])[0]
+
+
+@app.task(name=GROUP_TASK_NAME, bind=True, acks_late=True, ignore_result=True)
+def generate_group(self, jobs: list[Any]) -> dict[str, Any]:
+    """Several short jobs of one message (``worker.publish.job_groups``), each claimed, run and
+    stored as if it had come alone; the message is acked once all of them are stored."""
+    pairs: list[tuple[str, Any]] = []
+    for item in jobs if isinstance(jobs, list) else []:
+        if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str):
+            pairs.append((item[0], item[1]))
+        else:  # a hostile entry: no job to fail; a real job it hid is still queued in the store
+            log.warning("group message entry ignored: %s", repr(item)[:200])
+    summaries = run_jobs(self, pairs)
+    return {"jobs": len(summaries), "status": dict(Counter(s["status"] for s in summaries)),
+            "first": summaries[0] if summaries else None}
+
+
+@dataclass(slots=True)
+class Running:
+    """A claimed job in the engine, as its task waits for it."""
+
+    index: int
+    job_id: str
+    attempt: int
+    payload: dict[str, Any]
+    req: Any  # worker.request.JobRequest
+    request_id: str
+    handle: Any  # the engine loop's request handle (``.future``)
+    deadline: float
+    aborted_because: str | None = None
+
+
+def run_jobs(task, jobs: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Claim, run and store each job; one summary per job, in order.
+
+    Check the store first (a job that already succeeded is never generated again), claim new
+    attempts (one write for all), submit them to the running loop, wait while the process's
+    one heartbeat keeps the leases fresh, and write each result, fenced by its attempt, as it
+    finishes (those finishing together in one write)."""
     rt = runtime.get()
     store = runtime.store()
-    if not isinstance(payload, dict):  # a hostile message: the job (if any) fails as invalid below
-        payload = {"malformed_payload": repr(payload)[:200]}
-    if rt.dead or rt.draining:
-        return task_summary(job_id, payload, hand_back(rt, job_id, payload))
-    worker = self.request.hostname or runtime.worker_name(rt.label)
-    claim = with_db_retry("claim", lambda: store.claim(
-        job_id, worker=worker, device=rt.label, lease_s=lease_seconds(), max_attempts=max_attempts(),
-        payload=payload, queue=rt.queue_of(payload),
-    ))
-    if not claim.ok:
-        log.info("job %s skipped: %s", job_id, claim.reason)
-        return task_summary(job_id, payload, f"skipped: {claim.reason}")
-    attempt = claim.attempt
-    values: dict[str, Any] | None = None
-    if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
-        values = {"error_type": "wrong_model", "finished_at": time.time()}
-        with_db_retry("fail", lambda: store.fail(
-            job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"))
-        outcome = FAILED
-    else:
+    jobs = [(job_id, payload if isinstance(payload, dict) else {"malformed_payload": repr(payload)[:200]})
+            for job_id, payload in jobs]  # a hostile payload: its job fails as invalid below
+    held = _Held(rt.group_slots if len(jobs) > 1 else None)  # a lone job (interactive ones are) never waits here
+    try:
+        while held.slots is not None and not held.count and not (rt.dead or rt.draining):
+            held.take(min(len(jobs), held.slots.total))  # a group bigger than the bound still runs
+        if rt.dead or rt.draining:
+            return [task_summary(job_id, payload, hand_back(rt, job_id, payload)) for job_id, payload in jobs]
+        if not jobs:
+            return []
+        return _run_held(task, rt, store, jobs, held)
+    finally:
+        held.release(held.count)
+
+
+class _Held:
+    """The process's group slots this task holds (``Runtime.group_slots``), one per job until
+    that job is done."""
+
+    def __init__(self, slots: runtime.JobSlots | None) -> None:
+        self.slots = slots
+        self.count = 0
+
+    def take(self, n: int) -> None:
+        if self.slots is not None and self.slots.take(n, timeout=1.0):  # wakes to notice a drain
+            self.count = n
+
+    def release(self, n: int = 1) -> None:
+        n = min(n, self.count)
+        if n > 0:
+            self.slots.give(n)
+            self.count -= n
+
+
+def _run_held(task, rt: runtime.Runtime, store, jobs: list[tuple[str, dict[str, Any]]],
+              held: _Held) -> list[dict[str, Any]]:
+    worker = task.request.hostname or runtime.worker_name(rt.label)
+    claims = with_db_retry("claim", lambda: store.claim_many(
+        [(job_id, payload, rt.queue_of(payload)) for job_id, payload in jobs],
+        worker=worker, device=rt.label, lease_s=lease_seconds(), max_attempts=max_attempts()))
+    outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(jobs)
+    running: list[Running] = []
+    for index, ((job_id, payload), claim) in enumerate(zip(jobs, claims)):
+        if isinstance(claim, Exception):
+            log.warning("job %s not claimed: %r", job_id, claim)
+            outcomes[index] = (f"skipped: claim failed: {claim!r}"[:200], None)
+            continue
+        if not claim.ok:
+            log.info("job %s skipped: %s", job_id, claim.reason)
+            outcomes[index] = (f"skipped: {claim.reason}", None)
+            continue
         try:
-            outcome, values = run_claimed(rt, store, job_id, attempt, payload)
+            started = start_claimed(rt, store, index, job_id, claim.attempt, payload)
         except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
-            log.exception("job %s attempt %s crashed in the worker", job_id, attempt)
-            outcome = give_back(rt, store, job_id, attempt, payload, f"worker error: {exc!r}", forgive=False)
-    if rt.metrics is not None:
-        rt.metrics.observe_job(outcome.replace(" ", "_"), values, enqueued_at=claim.enqueued_at,
-                               queue_wait_s=(claim.started_at - claim.enqueued_at) if claim.enqueued_at else None)
-    return task_summary(job_id, payload, outcome, values)
+            log.exception("job %s attempt %s crashed in the worker", job_id, claim.attempt)
+            started = (give_back(rt, store, job_id, claim.attempt, payload, f"worker error: {exc!r}",
+                                 forgive=False), None)
+        if isinstance(started, Running):
+            running.append(started)
+        else:
+            outcomes[index] = started
+    held.release(len(jobs) - len(running))
+    if running:
+        for index, outcome in wait_and_store(rt, store, running):
+            outcomes[index] = outcome
+            held.release()
+    summaries = []
+    for (job_id, payload), claim, (outcome, values) in zip(jobs, claims, outcomes):
+        if rt.metrics is not None and isinstance(claim, Claim) and claim.ok:
+            rt.metrics.observe_job(outcome.replace(" ", "_"), values, enqueued_at=claim.enqueued_at,
+                                   queue_wait_s=(claim.started_at - claim.enqueued_at) if claim.enqueued_at else None)
+        summaries.append(task_summary(job_id, payload, outcome, values))
+    return summaries
 
 
 def task_summary(job_id: str, payload: dict[str, Any], outcome: str,
@@ -126,15 +217,19 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int,
-                payload: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
-    """Generate a claimed job; return what happened (succeeded, failed, given back, fenced) and
-    the result columns written, if any."""
-    from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
-
+def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: int,
+                  payload: dict[str, Any]) -> Running | tuple[str, dict[str, Any] | None]:
+    """Submit a claimed job to the engine (``Running``), or say at once what happened to it
+    (failed as invalid or for the wrong model, given back) and the result columns written."""
     request_id = f"{job_id}#{attempt}"
+    if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
+        with_db_retry("fail", lambda: store.fail(
+            job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"))
+        return FAILED, {"error_type": "wrong_model", "finished_at": time.time()}
     if rt.dead or rt.draining or not rt.loop.running:
-        why = "drained: the worker is shutting down" if rt.draining else "worker stopping"
+        cause = getattr(rt.loop, "error", None)
+        why = ("drained: the worker is shutting down" if rt.draining
+               else f"engine unavailable: {cause!r}" if cause is not None else "worker stopping")
         return give_back(rt, store, job_id, attempt, payload, why, forgive=True), None
     try:
         req = request_from_payload(payload)
@@ -145,42 +240,93 @@ def run_claimed(rt: runtime.Runtime, store, job_id: str, attempt: int,
         return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
     except RuntimeError as exc:  # the loop is shutting down or dead
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
-    rt.inflight[job_id] = request_id
-    heartbeat = rt.heartbeats(store, heartbeat_seconds())  # one thread refreshes every job's lease
-    heartbeat.track(job_id, attempt, request_id)
-    deadline = time.time() + max_job_seconds()
-    aborted_because: str | None = None
-    try:
-        while True:
-            try:
-                out = handle.result(timeout=heartbeat_seconds())
-                break
-            except TimeoutError:
-                if aborted_because is None and time.time() > deadline:
-                    aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
-                    rt.loop.abort(request_id)
-            except EngineDied as exc:
-                # Not this job's fault as far as we know; counted, so a job that kills every
-                # engine it meets still ends (attempts exhausted).
-                return give_back(rt, store, job_id, attempt, payload, str(exc), forgive=False), None
-    finally:
-        lost = heartbeat.untrack(job_id)
-        rt.inflight.pop(job_id, None)
-    aborted_because = aborted_because or lost
-    values = result_values(out, logprobs=req.params.logprobs, pieces=rt.loop.token_pieces,
-                           structured=req.params.structured_outputs)
-    if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
-        return give_back(rt, store, job_id, attempt, payload, "drained: the worker is shutting down",
+    except OSError as exc:  # the engine process's pipe broke: it is dying; name why once it is known
+        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {engine_cause(rt, exc)!r}",
                          forgive=True), None
-    if aborted_because is not None and values["status"] == SUCCEEDED:
-        values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
-    elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
-        values.update(status=FAILED, error="aborted", error_type="aborted")
-    if not with_db_retry("store result", lambda: store.finish(job_id, attempt, values)):
-        log.info("job %s attempt %s result refused (cancelled or superseded)", job_id, attempt)
-        return "fenced", values
-    log.info("job %s attempt %s stored: %s", job_id, attempt, values["status"])
-    return values["status"], values
+    rt.inflight[job_id] = request_id
+    rt.heartbeats(store, heartbeat_seconds()).track(job_id, attempt, request_id)  # one thread refreshes every lease
+    return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + max_job_seconds())
+
+
+def engine_cause(rt: runtime.Runtime, exc: BaseException, wait_s: float = 2.0) -> BaseException:
+    """Why the engine went away: its loop's error, which its reader thread records moments
+    after the pipe breaks (waited for up to ``wait_s``), else ``exc`` itself."""
+    deadline = time.monotonic() + wait_s
+    while getattr(rt.loop, "error", None) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return getattr(rt.loop, "error", None) or exc
+
+
+def wait_and_store(rt: runtime.Runtime, store,
+                   running: list[Running]) -> Iterator[tuple[int, tuple[str, dict[str, Any] | None]]]:
+    """Wait for the running jobs; store each result as it finishes (those finishing together
+    in one write) and yield (index, (what happened, the result columns written))."""
+    from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
+
+    heartbeat = rt.heartbeats(store, heartbeat_seconds())
+    pending = {r.request_id: r for r in running}
+    try:
+        while pending:
+            wait([r.handle.future for r in pending.values()], timeout=heartbeat_seconds(),
+                 return_when=FIRST_COMPLETED)
+            now = time.time()
+            done: list[Running] = []
+            for r in list(pending.values()):
+                if r.handle.done():
+                    done.append(pending.pop(r.request_id))
+                elif r.aborted_because is None and now > r.deadline:
+                    r.aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
+                    rt.loop.abort(r.request_id)
+            to_store: list[tuple[Running, dict[str, Any]]] = []
+            for r in done:
+                # ``rt.inflight`` keeps the job until it is stored or given back: a dying worker
+                # waits for that before it exits (``runtime._on_engine_death``).
+                lost = heartbeat.untrack(r.job_id)
+                try:
+                    out = r.handle.result(0)
+                    values = result_values(out, logprobs=r.req.params.logprobs, pieces=rt.loop.token_pieces,
+                                           structured=r.req.params.structured_outputs)
+                except EngineDied as exc:
+                    # Not this job's fault as far as we know; counted, so a job that kills every
+                    # engine it meets still ends (attempts exhausted).
+                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, str(exc), forgive=False)
+                    rt.inflight.pop(r.job_id, None)
+                    yield r.index, (outcome, None)
+                    continue
+                except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
+                    log.exception("job %s attempt %s crashed in the worker", r.job_id, r.attempt)
+                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, f"worker error: {exc!r}",
+                                        forgive=False)
+                    rt.inflight.pop(r.job_id, None)
+                    yield r.index, (outcome, None)
+                    continue
+                aborted_because = r.aborted_because or lost
+                if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
+                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload,
+                                        "drained: the worker is shutting down", forgive=True)
+                    rt.inflight.pop(r.job_id, None)
+                    yield r.index, (outcome, None)
+                    continue
+                if aborted_because is not None and values["status"] == SUCCEEDED:
+                    values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
+                elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
+                    values.update(status=FAILED, error="aborted", error_type="aborted")
+                to_store.append((r, values))
+            if to_store:
+                stored = with_db_retry("store result", lambda: store.finish_many(
+                    [(r.job_id, r.attempt, values) for r, values in to_store]))
+                for (r, values), ok in zip(to_store, stored):
+                    rt.inflight.pop(r.job_id, None)
+                    if ok:
+                        log.info("job %s attempt %s stored: %s", r.job_id, r.attempt, values["status"])
+                        yield r.index, (values["status"], values)
+                    else:
+                        log.info("job %s attempt %s result refused (cancelled or superseded)", r.job_id, r.attempt)
+                        yield r.index, ("fenced", values)
+    finally:
+        for r in running:  # an error above: those not stored stay running; their leases expire
+            heartbeat.untrack(r.job_id)
+            rt.inflight.pop(r.job_id, None)
 
 
 def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None,

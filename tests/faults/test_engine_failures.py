@@ -63,7 +63,7 @@ def test_loop_that_dies_gives_jobs_back_and_exits_non_zero(workers):
     assert not [j for j in jobs if j.status == FAILED], [(j.custom_id, j.error) for j in jobs if j.status == FAILED]
     given_back = [j for j in jobs if j.attempts >= 1]
     assert given_back and all(j.status == QUEUED for j in given_back)  # back at once, not after a lease
-    assert all("engine loop died" in (j.error or "") for j in given_back)
+    assert all("engine loop died" in (j.error or "") for j in given_back), [(j.status, j.attempts, j.error) for j in jobs]
     (state,) = [w for w in client.store.workers() if w.name == dying.node]
     assert state.state == "failed" and "engine loop died" in state.error
 
