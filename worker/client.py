@@ -113,7 +113,7 @@ class Client:
         model = model or self.model
         row = job_row(
             id=job_id, model=model, custom_id=custom_id, messages=messages,
-            params=with_seed(params).to_dict(), queue=self.queue_for(model, priority), priority=priority, user=user,
+            params=with_seed(params).to_dict(only_set=True), queue=self.queue_for(model, priority), priority=priority, user=user,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
         )

@@ -212,7 +212,7 @@ class Ingest:
             r.params.seed = fresh_seed()
         return job_row(model=self.model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint,
                        prompt=r.prompt, prompt_token_ids_in=r.prompt_token_ids, messages=r.messages,
-                       params=r.params.to_dict(), queue=self.queue_for(self.model, prio),
+                       params=r.params.to_dict(only_set=True), queue=self.queue_for(self.model, prio),
                        priority=prio, user=r.user)
 
     def _parse(self, lines: Sequence[tuple[int, Any]], batch_id: str) -> tuple[list[Request], list[BadLine]]:

@@ -90,6 +90,17 @@ def job_groups(rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[str, Any
     return groups
 
 
+#: How long a group message's argsrepr may grow (what Flower and ``inspect`` show of it).
+GROUP_ARGSREPR_CHARS = 4000
+
+
+def group_args_repr(rows: Sequence[dict[str, Any]]) -> str:
+    """A group message's arguments as Flower shows them: how many jobs, then each job's
+    ``args_repr`` (so a job is found by its custom_id there too), cut at ``GROUP_ARGSREPR_CHARS``."""
+    text = f"{len(rows)} jobs: " + "; ".join(args_repr(row) for row in rows)
+    return text if len(text) <= GROUP_ARGSREPR_CHARS else text[: GROUP_ARGSREPR_CHARS - 1] + "…"
+
+
 def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[str, Any]], str], *,
                  retry: bool = True, grouped: bool = False) -> int:
     """Publish the job rows, one task message each or, ``grouped``, several short jobs to a
@@ -119,7 +130,7 @@ def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[s
                 message = amqp.create_task_message(
                     new_id(), GROUP_TASK_NAME, ([[row["id"], payload_of(row)] for row in group],), {},
                     create_sent_event=True, ignore_result=True, kwargsrepr="{}",
-                    argsrepr=f"{len(group)} jobs, from {args_repr(group[0])}",
+                    argsrepr=group_args_repr(group),
                 )
                 message.headers[GROUP_HEADER] = [row["id"] for row in group]
             amqp.send_task_message(producer, name, message, queue=queue, declare=[queue],

@@ -91,8 +91,7 @@ def generate_group(self, jobs: list[Any]) -> dict[str, Any]:
         else:  # a hostile entry: no job to fail; a real job it hid is still queued in the store
             log.warning("group message entry ignored: %s", repr(item)[:200])
     summaries = run_jobs(self, pairs)
-    return {"jobs": len(summaries), "status": dict(Counter(s["status"] for s in summaries)),
-            "first": summaries[0] if summaries else None}
+    return {"jobs": len(summaries), "status": dict(Counter(s["status"] for s in summaries)), "results": summaries}
 
 
 @dataclass(slots=True)

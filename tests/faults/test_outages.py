@@ -78,7 +78,11 @@ def run_through_outage(settings: Settings, tmp_path, name: str, outage, after=la
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["no-persistence", "append-only-file"])
-def test_redis_restarted(persistent, sqlite_url, unique_queue, tiny_model, tmp_path):
+def test_redis_restarted(persistent, sqlite_url, unique_queue, tiny_model, tmp_path, monkeypatch):
+    # Two jobs a message (the producer publishes them): 30 messages, more than the two workers
+    # reserve (8 each), so the restart loses queued messages (the orphan sweep's case) besides
+    # reserved group messages; with the default six a message, the workers held all ten.
+    monkeypatch.setenv("SPECBATCH_GROUP_JOBS", "2")
     redis_server = RedisServer(tmp_path, persistent=persistent)
     settings = Settings(broker_url=redis_server.url, database_url=sqlite_url, model=tiny_model, device="cpu",
                         queue=unique_queue)

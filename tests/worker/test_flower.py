@@ -92,8 +92,12 @@ def test_flower_shows_jobs_workers_and_queues(browser, sqlite_url, redis_url, un
         assert "tell me about" not in body  # never the prompt
         browser.save_screenshot(str(shots / "flower-tasks.png"))
 
-        page_shows(browser, f"{base}/task/{job.id}", "'status': 'succeeded'")  # the result summary
-        assert f"'tokens': {job.num_output_tokens}" in browser.find_element(By.TAG_NAME, "body").text
+        # The batch's six short jobs travelled in one message (worker.publish.job_groups): its
+        # page, reached from the probe's row, shows what became of them.
+        row = browser.find_element(By.XPATH, f"//tr[contains(., '{probe}')]")
+        page_shows(browser, row.find_element(By.TAG_NAME, "a").get_attribute("href"), "'succeeded': 6")
+        body = browser.find_element(By.TAG_NAME, "body").text
+        assert "'jobs': 6" in body and f"'tokens': {job.num_output_tokens}" in body
 
         page_shows(browser, f"{base}/workers", worker.node)
         browser.save_screenshot(str(shots / "flower-workers.png"))

@@ -63,7 +63,10 @@ def test_a_batch_of_short_jobs_becomes_few_messages_and_the_sweep_sees_every_job
         assert sorted(len(g) for g in groups) == [4, 32, 32, 32]
         assert queued_job_ids(r, unique_queue) == ids  # the orphan sweep finds every job in them
         group = next(m for m in messages if m["headers"]["task"] == "specbatch.generate_group")
-        assert group["headers"]["argsrepr"].startswith(f"{len(group['headers'][GROUP_HEADER])} jobs, from custom_id=")
+        # Flower shows every job of a group by its custom_id, line, batch and id.
+        shown = group["headers"]["argsrepr"]
+        assert shown.startswith(f"{len(group['headers'][GROUP_HEADER])} jobs: custom_id=")
+        assert all(f"job={job_id!r}" in shown for job_id in group["headers"][GROUP_HEADER])
     finally:
         r.delete(unique_queue)
 

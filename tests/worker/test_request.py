@@ -283,8 +283,10 @@ def test_producer_stores_full_params_with_a_seed(sqlite_url, redis_url, unique_q
             {"custom_id": "same-model", "prompt": "d", "model": "tiny"},
         ])
         jobs = {j.custom_id: j for j in client.store.jobs(sub.batch_id)}
-        assert jobs["unseeded"].params == {**SamplingParams(temperature=0.8).to_dict(),
-                                           "seed": jobs["unseeded"].params["seed"]}
+        # What the line set, and its seed: the defaults are the engine's (from_dict fills them).
+        assert jobs["unseeded"].params == {"temperature": 0.8, "seed": jobs["unseeded"].params["seed"]}
+        assert SamplingParams.from_dict(jobs["unseeded"].params) == SamplingParams(
+            temperature=0.8, seed=jobs["unseeded"].params["seed"])
         assert isinstance(jobs["unseeded"].params["seed"], int)
         assert jobs["seeded"].params["seed"] == 5 and jobs["seeded"].params["max_tokens"] == 7
         assert jobs["other-model"].status == "failed" and "gpt-9-ultra" in jobs["other-model"].error
