@@ -102,7 +102,7 @@ class Running:
     job_id: str
     attempt: int
     payload: dict[str, Any]
-    req: Any  # worker.request.JobRequest
+    req: Any  # worker.request.WorkRequest
     request_id: str
     handle: Any  # the engine loop's request handle (``.future``)
     deadline: float
