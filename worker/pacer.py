@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from .config import env
-from .publish import generation_budget, group_jobs, group_tokens, job_groups, publish_jobs
+from .publish import generation_budget, group_jobs, group_tokens, job_groups, publish_groups
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,10 @@ class Pacer:
             self._stop.wait(self.interval)
 
     def tick(self) -> int:
-        """Top up every queue once; returns how many messages were published."""
+        """Top up every queue once; returns how many jobs were published."""
         batches = self.store.open_batches()
-        self._per_message = {b: k for b, k in self._per_message.items() if any(b == o for o, _ in batches)}
+        open_ids = {batch_id for batch_id, _cap in batches}
+        self._per_message = {b: k for b, k in self._per_message.items() if b in open_ids}
         if not batches:
             return 0
         published = 0
@@ -92,9 +93,10 @@ class Pacer:
         room = self.window - waiting
         if room <= 0:
             return 0
+        queue_of = lambda row: row.get("queue") or queue  # noqa: E731
         self._turn = (self._turn + 1) % len(batches)
         active = batches[self._turn:] + batches[: self._turn]
-        rows: list[dict[str, Any]] = []
+        groups: list[list[dict[str, Any]]] = []
         # Equal shares; a batch with fewer left (or at its cap) leaves the rest of its share to others.
         while room > 0 and active:
             share = max(1, room // len(active))
@@ -105,9 +107,10 @@ class Pacer:
                 if cap is not None:
                     take = min(take, cap - self.store.in_flight(batch_id))
                 got = self.store.take_unpublished(batch_id, queue, take) if take > 0 else []
-                rows += got
                 if got:
-                    room -= len(job_groups(got, lambda row: row.get("queue") or queue))
+                    got_groups = job_groups(got, queue_of)
+                    groups += got_groups
+                    room -= len(got_groups)
                     # A batch's lines are mostly alike: its next messages will carry as many as its last line's would.
                     self._per_message[batch_id] = max(1, min(group_jobs(), group_tokens() // generation_budget(got[-1])))
                 if got and len(got) == take:
@@ -115,9 +118,7 @@ class Pacer:
                 if room <= 0:
                     break
             active = still
-        if rows:
-            publish_jobs(self.app, rows, lambda row: row.get("queue") or queue, grouped=True)
-        return len(rows)
+        return publish_groups(self.app, groups, queue_of)
 
     def close_drained(self) -> None:
         """Mark batches with nothing left to run as finished (they leave the round-robin)."""

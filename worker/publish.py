@@ -27,11 +27,11 @@ from .store import JOB_PAYLOAD_FIELDS, new_id
 
 log = logging.getLogger(__name__)
 
-#: Reconnect with backoff while Redis restarts (about a minute in all), then give up: the job
-#: rows are in the store already and the orphan sweep publishes whatever never reached Redis.
 #: The header of a group message that lists its jobs' ids.
 GROUP_HEADER = "specbatch_jobs"
 
+#: Reconnect with backoff while Redis restarts (about a minute in all), then give up: the job
+#: rows are in the store already and the orphan sweep publishes whatever never reached Redis.
 RETRY_POLICY = {"max_retries": 30, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 3.0}
 
 
@@ -105,11 +105,18 @@ def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[s
                  retry: bool = True, grouped: bool = False) -> int:
     """Publish the job rows, one task message each or, ``grouped``, several short jobs to a
     message (``job_groups``); ``queue_of(row)`` names a row's queue. Returns the jobs published."""
-    if not rows:
+    groups = job_groups(rows, queue_of) if grouped else [[row] for row in rows]
+    return publish_groups(app, groups, queue_of, retry=retry)
+
+
+def publish_groups(app, groups: Sequence[Sequence[dict[str, Any]]], queue_of: Callable[[dict[str, Any]], str], *,
+                   retry: bool = True) -> int:
+    """One task message per group of job rows (of one queue each: ``queue_of`` of its first
+    row); a group of one is an ordinary job message. Returns the jobs published."""
+    if not groups:
         return 0
     amqp = app.amqp
     queues: dict[str, Queue] = {}
-    groups = job_groups(rows, queue_of) if grouped else [[row] for row in rows]
     with app.producer_or_acquire() as producer, producer.batch(max_size=2000):
         # kombu >= 5.7 buffers these in one non-transactional Redis pipeline per 2000
         # commands (task LPUSH + task-sent event PUBLISH) instead of a round trip each.
@@ -135,7 +142,7 @@ def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[s
                 message.headers[GROUP_HEADER] = [row["id"] for row in group]
             amqp.send_task_message(producer, name, message, queue=queue, declare=[queue],
                                    retry=retry, retry_policy=RETRY_POLICY)
-    return len(rows)
+    return sum(len(group) for group in groups)
 
 
 def queued_job_ids(redis_client, queue: str, limit: int = 1_000_000) -> set[str]:

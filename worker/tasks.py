@@ -226,9 +226,10 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
             job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"))
         return FAILED, {"error_type": "wrong_model", "finished_at": time.time()}
     if rt.dead or rt.draining or not rt.loop.running:
-        cause = getattr(rt.loop, "error", None)
-        why = ("drained: the worker is shutting down" if rt.draining
-               else f"engine unavailable: {cause!r}" if cause is not None else "worker stopping")
+        if rt.draining:
+            why = "drained: the worker is shutting down"
+        else:  # a dead engine's cause is recorded moments after ``rt.dead``: wait for it then
+            why = f"engine unavailable: {engine_cause(rt, RuntimeError('worker stopping'), 2.0 if rt.dead else 0.0)!r}"
         return give_back(rt, store, job_id, attempt, payload, why, forgive=True), None
     try:
         req = request_from_payload(payload)
@@ -281,6 +282,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                 # ``rt.inflight`` keeps the job until it is stored or given back: a dying worker
                 # waits for that before it exits (``runtime._on_engine_death``).
                 lost = heartbeat.untrack(r.job_id)
+                back: tuple[str, bool] | None = None  # (why, forgive) when the job goes back to the queue
                 try:
                     out = r.handle.result(0)
                     values = result_values(out, logprobs=r.req.params.logprobs, pieces=rt.loop.token_pieces,
@@ -288,28 +290,23 @@ def wait_and_store(rt: runtime.Runtime, store,
                 except EngineDied as exc:
                     # Not this job's fault as far as we know; counted, so a job that kills every
                     # engine it meets still ends (attempts exhausted).
-                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, str(exc), forgive=False)
-                    rt.inflight.pop(r.job_id, None)
-                    yield r.index, (outcome, None)
-                    continue
+                    back = (str(exc), False)
                 except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
                     log.exception("job %s attempt %s crashed in the worker", r.job_id, r.attempt)
-                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, f"worker error: {exc!r}",
-                                        forgive=False)
+                    back = (f"worker error: {exc!r}", False)
+                else:
+                    aborted_because = r.aborted_because or lost
+                    if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
+                        back = ("drained: the worker is shutting down", True)
+                    elif aborted_because is not None and values["status"] == SUCCEEDED:
+                        values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
+                    elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
+                        values.update(status=FAILED, error="aborted", error_type="aborted")
+                if back is not None:
+                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, back[0], forgive=back[1])
                     rt.inflight.pop(r.job_id, None)
                     yield r.index, (outcome, None)
                     continue
-                aborted_because = r.aborted_because or lost
-                if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
-                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload,
-                                        "drained: the worker is shutting down", forgive=True)
-                    rt.inflight.pop(r.job_id, None)
-                    yield r.index, (outcome, None)
-                    continue
-                if aborted_because is not None and values["status"] == SUCCEEDED:
-                    values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
-                elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
-                    values.update(status=FAILED, error="aborted", error_type="aborted")
                 to_store.append((r, values))
             if to_store:
                 stored = with_db_retry("store result", lambda: store.finish_many(
