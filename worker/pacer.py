@@ -111,7 +111,7 @@ class Pacer:
                     got_groups = job_groups(got, queue_of)
                     groups += got_groups
                     room -= len(got_groups)
-                    # A batch's lines are mostly alike: its next messages will carry as many as its last line's would.
+                    # A batch's lines are mostly alike: its next messages carry as many as its last line's would.
                     self._per_message[batch_id] = max(1, min(group_jobs(), group_tokens() // generation_budget(got[-1])))
                 if got and len(got) == take:
                     still.append((batch_id, cap))  # it may have more
