@@ -75,6 +75,7 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}
         self._stopping = threading.Event()
         self._accepting = True
+        self._stop_requested = False
         # Accepting and enqueueing are one step w.r.t. shutdown: a request is either queued before
         # the loop stops taking requests (and then resolved) or refused at submit.
         self._accept_lock = threading.Lock()
@@ -112,6 +113,11 @@ class EngineLoop:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def stop_requested(self) -> bool:
+        """``shutdown`` was called: a loop that stops now stopped cleanly, it did not die."""
+        return self._stop_requested
 
     @property
     def died(self) -> bool:
@@ -160,6 +166,7 @@ class EngineLoop:
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let running requests finish for up to ``drain_timeout``, abort the rest."""
+        self._stop_requested = True
         with self._accept_lock:
             self._accepting = False
         deadline = time.monotonic() + drain_timeout

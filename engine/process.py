@@ -146,6 +146,11 @@ class EngineProcess:
     def died(self) -> bool:
         return self.error is not None
 
+    @property
+    def stop_requested(self) -> bool:
+        """``shutdown`` was called: a loop that stops now stopped cleanly, it did not die."""
+        return self._stopping
+
     def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                params: Any = None, request_id: str | None = None, arrival_time: float | None = None,
                cache_salt: str | None = None, priority: int = 0) -> ProcessRequestHandle:

@@ -64,6 +64,12 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
     """Put a claimed job back in the queue at once (queued, a new message), not failed."""
     from .publish import publish_jobs
 
+    death = engine_death(rt)
+    if death is not None:  # whatever the task saw (a refused submit, a broken pipe), the death is why
+        from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
+
+        died = str(death) if isinstance(death, EngineDied) else f"engine loop died: {death!r}"
+        reason = reason if died in reason else died
     if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive)):
         return "fenced"
     try:
@@ -226,10 +232,7 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
             job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"))
         return FAILED, {"error_type": "wrong_model", "finished_at": time.time()}
     if rt.dead or rt.draining or not rt.loop.running:
-        if rt.draining:
-            why = "drained: the worker is shutting down"
-        else:  # a dead engine's cause is recorded moments after ``rt.dead``: wait for it then
-            why = f"engine unavailable: {engine_cause(rt, RuntimeError('worker stopping'), 2.0 if rt.dead else 0.0)!r}"
+        why = "drained: the worker is shutting down" if rt.draining else "engine unavailable: worker stopping"
         return give_back(rt, store, job_id, attempt, payload, why, forgive=True), None
     try:
         req = request_from_payload(payload)
@@ -240,21 +243,26 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
         return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
     except RuntimeError as exc:  # the loop is shutting down or dead
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
-    except OSError as exc:  # the engine process's pipe broke: it is dying; name why once it is known
-        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {engine_cause(rt, exc)!r}",
-                         forgive=True), None
+    except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
+        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc!r}", forgive=True), None
     rt.inflight[job_id] = request_id
     rt.heartbeats(store, heartbeat_seconds()).track(job_id, attempt, request_id)  # one thread refreshes every lease
     return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + max_job_seconds())
 
 
-def engine_cause(rt: runtime.Runtime, exc: BaseException, wait_s: float = 2.0) -> BaseException:
-    """Why the engine went away: its loop's error, which its reader thread records moments
-    after the pipe breaks (waited for up to ``wait_s``), else ``exc`` itself."""
+def engine_death(rt: runtime.Runtime, wait_s: float = 5.0) -> BaseException | None:
+    """The engine's death, when it is dead or dying, else None (running, or stopped on purpose).
+
+    A task meets a dying engine in many ways (a refused submit, a broken pipe, ``rt.dead``, a
+    failed handle) before the engine has recorded why: its process's reader records the error
+    only once the child has exited (up to 2 s), so wait for it up to ``wait_s``."""
+    loop = rt.loop
+    if loop.error is None and ((loop.running and not rt.dead) or loop.stop_requested):
+        return None
     deadline = time.monotonic() + wait_s
-    while getattr(rt.loop, "error", None) is None and time.monotonic() < deadline:
+    while loop.error is None and not loop.stop_requested and time.monotonic() < deadline:
         time.sleep(0.02)
-    return getattr(rt.loop, "error", None) or exc
+    return loop.error
 
 
 def wait_and_store(rt: runtime.Runtime, store,
