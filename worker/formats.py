@@ -20,7 +20,7 @@ from .config import model_slug
 from .lanes import parse_priority
 from .logprobs import chat_logprobs, completion_logprobs
 from .openai_fields import RULES, Endpoint, FieldError, sampling_fields
-from .request import openai_sampling_params
+from .request import line_sampling_params
 from .sqltypes import stored_length
 
 MAX_CUSTOM_ID = 255  # the jobs.custom_id column
@@ -59,7 +59,7 @@ class _Body(BaseModel):
 
     def sampling_params(self, endpoint: Endpoint) -> SamplingParams:
         fields = sampling_fields(self.model_extra or {}, endpoint)
-        return openai_sampling_params(fields, endpoint=endpoint)
+        return line_sampling_params(fields, endpoint)
 
 
 class ChatBody(_Body):

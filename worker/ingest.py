@@ -2,7 +2,8 @@
 published while the rest is still being read.
 
 Each chunk is read, validated, checked against the context (token counts in one batched call
-of the tokenizers library) and written in one short transaction (``Store.write_chunk``); then
+of the tokenizers library, chat templates by substitution: ``worker.chat_render``) and
+written in one short transaction (``Store.write_chunk``); then
 the producer's pacer tops the queue up, so a worker starts on line 1 within moments however
 large the file. Memory stays flat in the file's size: only the current chunk is held, plus
 16 bytes a line to catch duplicate custom_ids (``SeenIds``) and the first ``KEEP_BAD`` bad
@@ -25,8 +26,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .formats import BadLine, Request, length_error, parse_line
-from .request import fresh_seed
-from .store import INSERT_CHUNK, Store, job_row
+from .request import fresh_seeds
+from .store import INSERT_CHUNK, Store, job_row, new_ids
 
 #: The first chunk is small, so the first jobs are published within moments of the command.
 FIRST_CHUNK = 200
@@ -146,10 +147,11 @@ class Ingest:
 
     def run(self, source: str | Path | Iterable[Any], *, name: str | None, input_file: str | None,
             params: dict[str, Any] | None = None, max_in_flight: int | None = None) -> IngestResult:
-        """Read ``source`` into a batch. Two stages overlap: this thread parses and counts chunk
-        k+1 while one writer thread stores (and paces) chunk k; a database write mostly waits on
-        the server or on SQLite's C code, with the GIL released. At most one chunk is in the
-        writer's hands, so memory stays at two chunks, and chunks are written in file order."""
+        """Read ``source`` into a batch. Two stages overlap: this thread parses chunk k+1 while
+        one writer thread counts the tokens of chunk k and stores (and paces) it; token counting
+        runs in the tokenizers library's Rust and a database write mostly waits on the server or
+        on SQLite's C code, both with the GIL released. At most one chunk is in the writer's
+        hands, so memory stays at two chunks, and chunks are written in file order."""
         t0 = time.perf_counter()
         # Objects alive now (modules, torch, the tokenizer: millions of them) move to the
         # collector's permanent generation, so its collections walk only this ingest's chunks
@@ -161,8 +163,13 @@ class Ingest:
         result = IngestResult(batch_id)
         last_pace = 0.0
 
-        def write(rows: list[dict[str, Any]], invalid: list[dict[str, Any]], bad: list[BadLine]) -> None:
+        def write(good: list[Request], rows: list[dict[str, Any]], invalid: list[dict[str, Any]],
+                  bad: list[BadLine]) -> None:
             nonlocal last_pace
+            if self.count_tokens is not None and good:
+                rows, too_long = self._check_lengths(good, rows)
+                bad = bad + too_long
+                invalid = invalid + [self._invalid_row(b) for b in too_long]
             written = self.store.write_chunk(batch_id, rows, invalid, reopened=reopened,
                                              retry_failed=self.retry_failed)
             result.num_good += len(rows)  # counted once stored, so ``on_chunk`` sees what is written
@@ -184,11 +191,10 @@ class Ingest:
             try:
                 for lines in _chunked(numbered_lines(source), FIRST_CHUNK, self.chunk):
                     good, bad = self._parse(lines, batch_id)
-                    rows = [self._row(r) for r in good]
-                    invalid = [job_row(model=self.model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
-                               for b in bad]
+                    rows = self._rows(good)
+                    invalid = [self._invalid_row(b) for b in bad]
                     self._wait_for_writer()  # the previous chunk is stored (or its error raised here)
-                    self._pending = writer.submit(write, rows, invalid, bad)
+                    self._pending = writer.submit(write, good, rows, invalid, bad)
                 self._wait_for_writer()
             finally:
                 if self._pending is not None:  # an error above: let the write in flight end
@@ -206,24 +212,30 @@ class Ingest:
         if pending is not None:
             pending.result()
 
-    def _row(self, r: Request) -> dict[str, Any]:
+    def _invalid_row(self, b: BadLine) -> dict[str, Any]:
+        return job_row(model=self.model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
+
+    def _rows(self, good: list[Request]) -> list[dict[str, Any]]:
+        """The job rows of a chunk's good requests (ids and seeds drawn for the chunk at once)."""
+        n = len(good)
+        return [self._row(r, job_id, seed) for r, job_id, seed in zip(good, new_ids(n), fresh_seeds(n))]
+
+    def _row(self, r: Request, job_id: str, seed: int) -> dict[str, Any]:
         prio = self.priority if r.priority is None else r.priority
         if r.params.seed is None:  # as ``with_seed``, in place: these params are this line's own
-            r.params.seed = fresh_seed()
-        return job_row(model=self.model, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint,
+            r.params.seed = seed
+        return job_row(model=self.model, id=job_id, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint,
                        prompt=r.prompt, prompt_token_ids_in=r.prompt_token_ids, messages=r.messages,
                        params=r.params.to_dict(only_set=True), queue=self.queue_for(self.model, prio),
                        priority=prio, user=r.user)
 
     def _parse(self, lines: Sequence[tuple[int, Any]], batch_id: str) -> tuple[list[Request], list[BadLine]]:
-        """One chunk's good requests and bad lines (bad: invalid, duplicate, or over the context)."""
+        """One chunk's good requests and bad lines (bad: invalid or duplicate; the writer finds
+        those over the context)."""
         items = [parse_line(raw, n, model=self.model) for n, raw in lines]
         self._dedup(items, batch_id)
         good = [x for x in items if isinstance(x, Request)]
         bad = [x for x in items if isinstance(x, BadLine)]
-        if self.count_tokens is not None and good:
-            good, too_long = self._check_lengths(good)
-            bad += too_long
         return good, bad
 
     def _dedup(self, items: list[Request | BadLine], batch_id: str) -> None:
@@ -260,17 +272,26 @@ class Ingest:
         first = self.store.custom_id_line(batch_id, custom_id)
         return first if first is not None and first < line_no else 0
 
-    def _check_lengths(self, good: list[Request]) -> tuple[list[Request], list[BadLine]]:
-        counts = count_many(self.count_tokens, good)
-        keep: list[Request] = []
+    def _check_lengths(self, good: list[Request], rows: list[dict[str, Any]]
+                       ) -> tuple[list[dict[str, Any]], list[BadLine]]:
+        """The rows of the requests that fit the context, and a bad line for each that does not."""
+        counts = prompt_lengths(self.count_tokens, good, self.max_model_len)
+        keep: list[dict[str, Any]] = []
         bad: list[BadLine] = []
-        for req, n in zip(good, counts):
+        for req, row, n in zip(good, rows, counts):
             error = length_error(n, self.max_model_len)
             if error is None:
-                keep.append(req)
+                keep.append(row)
             else:
                 bad.append(BadLine(req.line_no, error, req.custom_id))
         return keep, bad
+
+
+def prompt_lengths(count_tokens: CountTokens, reqs: Sequence[Request], limit: int) -> list[int | Exception]:
+    """Token counts good enough to check prompts against a context of ``limit``: exact, or for a
+    prompt proven to fit, a bound under ``limit`` (the counter's ``lengths`` where it has one)."""
+    lengths = getattr(count_tokens, "lengths", None)
+    return lengths(reqs, limit) if lengths is not None else count_many(count_tokens, reqs)
 
 
 def count_many(count_tokens: CountTokens, reqs: Sequence[Request]) -> list[int | Exception]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .sqltypes import NulSafeString, NulSafeText  # user text may hold NUL (see sqltypes)
@@ -59,8 +59,12 @@ class Job(Base):
         Index("ix_jobs_batch_status", "batch_id", "status"),
         Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
         # The pacer's next jobs of one batch and queue, in line order: an index range, however
-        # many jobs of other queues (lanes, models) the batch or the table holds.
-        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "queue", "line_no"),
+        # many jobs of other queues (lanes, models) the batch or the table holds. PostgreSQL
+        # does not order by line_no through ``published_at IS NULL``: a partial index there
+        # (migration 0005 says why).
+        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "queue", "line_no").ddl_if(dialect="sqlite"),
+        Index("ix_jobs_unpublished", "batch_id", "queue", "line_no",
+              postgresql_where=text("status = 'queued' AND published_at IS NULL")).ddl_if(dialect="postgresql"),
         Index("ix_jobs_batch_line", "batch_id", "line_no", "id"),  # input order: output files, export
     )
 
@@ -74,7 +78,7 @@ class Job(Base):
     prompt_token_ids_in: Mapped[list[Any] | None]  # a prompt given as token ids
     messages: Mapped[list[Any] | None]
     params: Mapped[dict[str, Any] | None]
-    status: Mapped[str] = mapped_column(String(16), default=QUEUED, index=True)
+    status: Mapped[str] = mapped_column(String(16), default=QUEUED)  # indexed by (status, heartbeat_at)
     # ``attempts`` only grows: it is the fence every write names. Attempts given back without
     # blame (a drain, a dying engine, ``--retry-failed``) are counted in ``attempts_forgiven``,
     # and only the difference counts against ``max_attempts``.

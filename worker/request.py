@@ -8,8 +8,11 @@ and the task payload a worker receives (``request_from_payload``). Every failure
 
 from __future__ import annotations
 
+import copy
+import os
 import secrets
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from engine.sampling_params import SEED_MAX, SamplingParams
@@ -55,6 +58,45 @@ def openai_sampling_params(fields: dict[str, Any], *, endpoint: Endpoint | None 
         if newer is not None and str(exc).startswith("max_tokens"):
             raise ValueError(f"max_completion_tokens: {exc}") from None
         raise
+
+
+def line_sampling_params(fields: dict[str, Any], endpoint: Endpoint) -> SamplingParams:
+    """``openai_sampling_params`` for a bulk line, checked once per distinct set of scalar fields.
+
+    A file's lines mostly share their sampling fields (``{"max_tokens": 1}``), and checking them
+    is half of parsing a line; identical scalar fields give an equal ``SamplingParams``, so each
+    line gets a copy of the one built for them (its lists its own: the caller may set them)."""
+    key = _scalar_key(fields)
+    if key is None:
+        return openai_sampling_params(fields, endpoint=endpoint)
+    shared = _params_for(key, endpoint)
+    params = object.__new__(SamplingParams)  # a field-for-field copy, without checking it again
+    params.__dict__.update(shared.__dict__)
+    params.stop, params.stop_token_ids = list(shared.stop), list(shared.stop_token_ids)
+    if shared.structured_outputs is not None:
+        params.structured_outputs = copy.copy(shared.structured_outputs)
+    return params
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _scalar_key(fields: dict[str, Any]) -> tuple | None:
+    """The fields as a hashable key that tells ``1``, ``1.0`` and ``True`` apart, or None when a
+    value is not a scalar (a list, an object: built afresh each time)."""
+    items = []
+    for name, value in fields.items():
+        kind = type(value)
+        if kind not in _SCALARS:
+            return None
+        items.append((name, kind, value))
+    items.sort(key=lambda item: item[0])
+    return tuple(items)
+
+
+@lru_cache(maxsize=512)
+def _params_for(key: tuple, endpoint: Endpoint) -> SamplingParams:
+    return openai_sampling_params({name: value for name, _kind, value in key}, endpoint=endpoint)
 
 
 #: vLLM's older body fields for structured output -> ``StructuredOutputsParams`` fields.
@@ -119,6 +161,12 @@ def _chat_logprobs(given: dict[str, Any]) -> None:
 def fresh_seed() -> int:
     """A random non-negative 63-bit seed (fits every generator that takes an int64)."""
     return secrets.randbelow(SEED_MAX + 1)
+
+
+def fresh_seeds(n: int) -> list[int]:
+    """``n`` seeds as ``fresh_seed`` draws them, from one read of the OS's randomness."""
+    entropy = os.urandom(8 * n)
+    return [int.from_bytes(entropy[i:i + 8], "big") >> 1 for i in range(0, 8 * n, 8)]
 
 
 def with_seed(params: SamplingParams) -> SamplingParams:

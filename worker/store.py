@@ -44,10 +44,20 @@ def new_id() -> str:
     instead of landing on random pages (with uuid4 every chunk of rows dirtied about as many
     index pages as it had rows, and ingest slowed as the table grew); still unique and opaque.
     """
-    ms = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(10), "big")
-    value = (ms & (2**48 - 1)) << 80 | 0x7 << 76 | (rand >> 68 & 0xFFF) << 64 | 0b10 << 62 | (rand & (2**62 - 1))
-    return f"{value:032x}"
+    return new_ids(1)[0]
+
+
+def new_ids(n: int) -> list[str]:
+    """``n`` ids as ``new_id`` makes them, from one read of the OS's randomness (a read per id
+    was a fifth of building a bulk line's row)."""
+    ms = (time.time_ns() // 1_000_000) & (2**48 - 1)
+    entropy = os.urandom(10 * n)
+    ids = []
+    for i in range(0, 10 * n, 10):
+        rand = int.from_bytes(entropy[i:i + 10], "big")
+        value = ms << 80 | 0x7 << 76 | (rand >> 68 & 0xFFF) << 64 | 0b10 << 62 | (rand & (2**62 - 1))
+        ids.append(f"{value:032x}")
+    return ids
 
 
 def normalize_url(url: str) -> str:

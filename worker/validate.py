@@ -2,7 +2,8 @@
 (no weights loaded) so prompts over the context fail at validation, naming the line, rather
 than as a wasted job. The worker's engine applies the same rule again at submission.
 
-``count_many`` counts a chunk at once: chat templates rendered in one call, then one batched
+``count_many`` counts a chunk at once: chat templates rendered by substitution where exact
+(``worker.chat_render``), then one batched
 ``encode_batch_fast`` (no offsets computed) of the tokenizers library (Rust, on every core)
 instead of a Python call per line; counts equal ``__call__``'s
 (``apply_chat_template(tokenize=True)`` is render + encode without special tokens; ``encode``
@@ -14,7 +15,9 @@ import threading
 from functools import lru_cache
 from typing import Sequence
 
+from .chat_render import ChatRenderer
 from .formats import Request
+from .token_bound import byte_bounded, surely_fits
 
 
 class TokenCounter:
@@ -27,7 +30,37 @@ class TokenCounter:
         config = AutoConfig.from_pretrained(path).get_text_config()
         self.max_model_len: int = getattr(config, "max_position_embeddings", None) or 2048
         self.vocab_size: int = config.vocab_size
+        self.renderer = ChatRenderer(self.tokenizer)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self.byte_bounded = backend is not None and byte_bounded(backend)
+        self._specials = self.tokenizer.num_special_tokens_to_add(pair=False)  # what ``encode`` adds to a prompt
         self._lock = threading.Lock()
+
+    def lengths(self, reqs: Sequence[Request], limit: int) -> list[int | Exception]:
+        """Each request's prompt tokens, except that a prompt proven to have fewer than ``limit``
+        (``worker.token_bound``) may be given as a bound under ``limit`` instead of counted:
+        what checking prompts against a context of ``limit`` needs, at a fraction of the cost."""
+        if not self.byte_bounded:
+            return self.count_many(reqs)
+        out: list[int | Exception | None] = [None] * len(reqs)
+        chats = [i for i, r in enumerate(reqs) if r.messages is not None]
+        if chats:
+            with self._lock:
+                try:
+                    rendered = self.renderer.render_many([reqs[i].messages for i in chats])
+                except Exception:  # a conversation the template refuses: counting names it
+                    rendered = None
+            if rendered is not None:
+                for i, text in zip(chats, rendered):
+                    if surely_fits(text, limit):
+                        out[i] = limit - 1
+        for i, r in enumerate(reqs):
+            if r.messages is None and r.prompt_token_ids is None and surely_fits(r.prompt or "", limit, self._specials):
+                out[i] = limit - 1
+        rest = [i for i, n in enumerate(out) if n is None]
+        for i, n in zip(rest, self.count_many([reqs[i] for i in rest]) if rest else []):
+            out[i] = n
+        return out  # type: ignore[return-value]
 
     def count_many(self, reqs: Sequence[Request]) -> list[int | Exception]:
         """Each request's prompt tokens, or the error counting it (one bad line fails alone)."""
@@ -44,8 +77,7 @@ class TokenCounter:
         with self._lock:
             if chats:
                 try:
-                    rendered = self.tokenizer.apply_chat_template([reqs[i].messages for i in chats], tokenize=False,
-                                                                  add_generation_prompt=True)
+                    rendered = self.renderer.render_many([reqs[i].messages for i in chats])
                 except Exception:  # one conversation the template refuses: find it, count the rest
                     rendered = None
                 if rendered is not None:

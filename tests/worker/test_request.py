@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from worker.config import model_slug
 from worker.formats import MAX_CUSTOM_ID, BadLine, Request, parse_line, parse_lines
-from worker.request import OPENAI_SAMPLING_FIELDS, openai_sampling_params, request_from_payload, with_seed
+from worker.request import (OPENAI_SAMPLING_FIELDS, line_sampling_params, openai_sampling_params, request_from_payload,
+                            with_seed)
 from worker.sqltypes import escape_nul, stored_length, unescape_nul
 
 FUZZ = settings(max_examples=10_000, deadline=None, derandomize=True,
@@ -145,6 +146,35 @@ def test_fuzz_openai_fields(data):
     given_limit = data.get("max_completion_tokens")
     given_limit = data.get("max_tokens") if given_limit is None else given_limit
     assert params.max_tokens == (DEFAULT_MAX_TOKENS if given_limit is None else given_limit)
+
+
+@FUZZ
+@given(openai_dicts)
+def test_fuzz_a_line_s_shared_params_equal_fresh_ones(data):
+    """Bulk lines share the params built for equal scalar fields: each gets what building them
+    afresh gives (or the same error), as its own object."""
+    for endpoint in ("chat", "completions"):
+        try:
+            fresh = openai_sampling_params(dict(data), endpoint=endpoint)
+        except ValueError as exc:
+            with pytest.raises(ValueError) as again:
+                line_sampling_params(dict(data), endpoint)
+            assert str(again.value) == str(exc)
+            continue
+        first, second = line_sampling_params(dict(data), endpoint), line_sampling_params(dict(data), endpoint)
+        assert first == fresh == second and first is not second
+        first.seed = 7
+        first.stop.append("zz")
+        assert second.seed == fresh.seed and second.stop == fresh.stop
+
+
+def test_shared_params_tell_ints_floats_and_bools_apart():
+    assert line_sampling_params({"temperature": 1}, "chat").temperature == 1
+    assert type(line_sampling_params({"temperature": 1.0}, "chat").temperature) is float
+    assert type(line_sampling_params({"temperature": 1}, "chat").temperature) is int
+    with pytest.raises(ValueError, match="bool"):
+        line_sampling_params({"max_tokens": True}, "chat")
+    assert line_sampling_params({"max_tokens": 1}, "chat").max_tokens == 1
 
 
 def test_seeds_are_assigned_once_and_kept():
