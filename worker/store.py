@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from sqlalchemy import (JSON, Connection, Engine, and_, bindparam, case, create_engine, delete, event, func, or_, select,
-                        tuple_, update)
+from sqlalchemy import (JSON, Connection, Engine, Select, and_, bindparam, case, create_engine, delete, event, func, or_,
+                        select, tuple_, update)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -621,13 +621,8 @@ class Store:
     def take_unpublished(self, batch_id: str, queue: str, limit: int) -> list[dict[str, Any]]:
         """Mark the batch's next ``limit`` unpublished queued jobs of ``queue`` (in line order)
         published, and return their payloads to publish. Empty when none are left."""
-        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
         with self.reader.connect() as conn:
-            rows = conn.execute(
-                select(*cols).where(Job.batch_id == batch_id, Job.status == QUEUED, Job.published_at.is_(None),
-                                    Job.queue == queue)
-                .order_by(Job.line_no).limit(limit)
-            ).mappings().all()
+            rows = conn.execute(unpublished_select(batch_id, queue, limit)).mappings().all()
         if rows:
             with self._write() as conn:
                 conn.execute(update(Job).where(Job.id.in_([r["id"] for r in rows]), Job.published_at.is_(None))
@@ -941,6 +936,15 @@ def _finish_statement(columns: tuple[str, ...]):
     return (update(Job)
             .where(Job.id == bindparam("p_job_id"), Job.attempts == bindparam("p_attempt"), Job.status == RUNNING)
             .values({c: bindparam(f"v_{c}", type_=table.c[c].type) for c in columns}))
+
+
+def unpublished_select(batch_id: str, queue: str, limit: int) -> Select:
+    """The batch's next ``limit`` unpublished queued jobs of ``queue``, in line order, with their
+    payloads: an ordered index range on either database (migration 0005)."""
+    cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
+    return (select(*cols).where(Job.batch_id == batch_id, Job.status == QUEUED, Job.published_at.is_(None),
+                                Job.queue == queue)
+            .order_by(Job.line_no).limit(limit))
 
 
 def job_row(

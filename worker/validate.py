@@ -11,25 +11,33 @@ of a prompt adds them)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from functools import lru_cache
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from .chat_render import ChatRenderer
 from .formats import Request
 from .token_bound import byte_bounded, surely_fits
 
 
+#: Tokenizer classes saved by the tokenizers library's generic backend: loaded as
+#: ``PreTrainedTokenizerFast`` itself, without ``AutoTokenizer`` (whose import pulls torch,
+#: 3-4 s of every ``specbatch run``'s start).
+GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
 class TokenCounter:
     def __init__(self, model: str) -> None:
         from engine.model_hub import resolve_model
-        from transformers import AutoConfig, AutoTokenizer  # as engine.loader, without its model code
 
-        path = resolve_model(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        config = AutoConfig.from_pretrained(path).get_text_config()
-        self.max_model_len: int = getattr(config, "max_position_embeddings", None) or 2048
-        self.vocab_size: int = config.vocab_size
+        path = Path(resolve_model(model))
+        self.tokenizer = load_tokenizer(path)
+        config = json.loads((path / "config.json").read_text())
+        config = config.get("text_config") or config  # a multimodal model's language model, as get_text_config()
+        self.max_model_len: int = config.get("max_position_embeddings") or 2048  # as engine.llm_engine
+        self.vocab_size: int = config["vocab_size"]
         self.renderer = ChatRenderer(self.tokenizer)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         self.byte_bounded = backend is not None and byte_bounded(backend)
@@ -108,6 +116,20 @@ class TokenCounter:
                     raise ValueError(f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
                 return len(req.prompt_token_ids)
             return len(self.tokenizer.encode(req.prompt or ""))
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The model's tokenizer as ``AutoTokenizer`` loads it: the generic fast tokenizer when that
+    is what was saved (no torch import), else through ``AutoTokenizer`` (a model's own class)."""
+    config_file = path / "tokenizer_config.json"
+    saved = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    if saved in GENERIC_TOKENIZERS and (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer  # as engine.loader, without its model code
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 @lru_cache(maxsize=4)

@@ -9,7 +9,7 @@ from sqlalchemy import inspect
 
 from worker import migrate
 from worker.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
-from worker.store import INVALID_INPUT, Store, job_row
+from worker.store import INVALID_INPUT, Store, job_row, unpublished_select
 
 
 def _store(url: str) -> Store:
@@ -203,3 +203,31 @@ def test_one_heartbeat_thread_aborts_what_was_cancelled(db_url):
         assert beat.beat() == []  # nothing tracked any more
     finally:
         beat.stop()
+
+
+def test_the_pacer_s_next_jobs_are_an_ordered_index_range_on_a_freshly_loaded_table(db_url):
+    """Taking a batch's next jobs of one queue reads an index range in line order, with no sort
+    and no scan of the batch's other jobs, right after a bulk load (no statistics gathered yet:
+    on PostgreSQL the planner then took (batch, status) and filtered every job; migration 0005)."""
+    store = _store(db_url)
+    batch_id, _ = store.open_batch(name="b", input_file=None, model="m", params=None, priority=1,
+                                   max_in_flight=None)
+    rows = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i + 1, queue="q") for i in range(3000)]
+    store.write_chunk(batch_id, rows, [], reopened=False, retry_failed=False)
+    names = {ix["name"] for ix in inspect(store.engine).get_indexes("jobs")}
+    assert "ix_jobs_status" not in names and "ix_jobs_status_heartbeat" in names
+    with store.engine.connect() as conn:
+        for queue, limit in (("q", 1000), ("q.interactive", 32)):
+            compiled = unpublished_select(batch_id, queue, limit).compile(dialect=conn.dialect)
+            if store.dialect == "postgresql":
+                assert "ix_jobs_unpublished" in names and "ix_jobs_pacing" not in names
+                plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + str(compiled), compiled.params))
+                assert "ix_jobs_unpublished" in plan and "Sort" not in plan and "Filter" not in plan, plan
+            else:
+                assert "ix_jobs_pacing" in names
+                params = tuple(compiled.params[k] for k in compiled.positiontup)
+                plan = "\n".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), params))
+                assert "ix_jobs_pacing" in plan and "TEMP B-TREE" not in plan, plan
+    taken = store.take_unpublished(batch_id, "q", 1000)
+    assert [r["custom_id"] for r in taken] == [f"c{i}" for i in range(1000)]
+    store.dispose()

@@ -85,3 +85,19 @@ def test_an_unbounded_tokenizer_counts_every_prompt(tiny_model_dir):
     reqs = [parse_line(json.dumps({"prompt": "ﷺ"}), 1), parse_line(json.dumps({"prompt": "ab"}), 2)]
     assert not counter.byte_bounded
     assert counter.lengths(reqs, 10) == counter.count_many(reqs) == [33, 2]  # 33 tokens from 3 bytes
+
+
+def test_the_counter_loads_what_autotokenizer_and_autoconfig_load(tiny_model_dir, smollm2_dir):
+    """The counter reads the generic tokenizer and config.json without transformers' Auto classes
+    (their import pulls torch: seconds of every run's start); it must see the same model."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi <|im_end|> é"}]
+    for model_dir in (tiny_model_dir, smollm2_dir):
+        counter, auto = TokenCounter(model_dir), AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        assert (counter.max_model_len, counter.vocab_size) == (config.max_position_embeddings, config.vocab_size)
+        for text in ("hello there", "<|im_start|>x", "  spaced\n\ttext 中文"):
+            assert counter.tokenizer.encode(text) == auto.encode(text)
+        assert (counter.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+                == auto.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
