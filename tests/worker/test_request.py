@@ -148,7 +148,7 @@ def test_fuzz_openai_fields(data):
     assert params.max_tokens == (DEFAULT_MAX_TOKENS if given_limit is None else given_limit)
 
 
-@FUZZ
+@settings(FUZZ, max_examples=1_000)
 @given(openai_dicts)
 def test_fuzz_a_line_s_shared_params_equal_fresh_ones(data):
     """Bulk lines share the params built for equal scalar fields: each gets what building them
