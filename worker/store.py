@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from sqlalchemy import (JSON, Connection, Engine, Select, and_, bindparam, case, create_engine, delete, event, func, or_,
-                        select, tuple_, update)
+from sqlalchemy import (JSON, Connection, Engine, Select, and_, bindparam, case, create_engine, delete, event, func,
+                        literal, or_, select, tuple_, update)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -632,8 +632,7 @@ class Store:
     def has_unpublished(self, batch_id: str) -> bool:
         with self.reader.connect() as conn:
             return conn.execute(
-                select(Job.id).where(Job.batch_id == batch_id, Job.status == QUEUED, Job.published_at.is_(None))
-                .limit(1)
+                select(Job.id).where(Job.batch_id == batch_id, UNPUBLISHED).limit(1)
             ).first() is not None
 
     # ---- workers -----------------------------------------------------------------------
@@ -938,13 +937,18 @@ def _finish_statement(columns: tuple[str, ...]):
             .values({c: bindparam(f"v_{c}", type_=table.c[c].type) for c in columns}))
 
 
+#: A queued job not yet published, with 'queued' written into the SQL, not bound: PostgreSQL
+#: matches its partial index's predicate only to constants, and a statement psycopg has
+#: prepared (its fifth run on) gets a generic plan that knows no parameter's value (with a
+#: bound one, the pacer's queries fell back to scanning the batch: tiny jobs 0.87x -> 0.64x).
+UNPUBLISHED = and_(Job.status == literal(QUEUED, literal_execute=True), Job.published_at.is_(None))
+
+
 def unpublished_select(batch_id: str, queue: str, limit: int) -> Select:
     """The batch's next ``limit`` unpublished queued jobs of ``queue``, in line order, with their
     payloads: an ordered index range on either database (migration 0005)."""
     cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
-    return (select(*cols).where(Job.batch_id == batch_id, Job.status == QUEUED, Job.published_at.is_(None),
-                                Job.queue == queue)
-            .order_by(Job.line_no).limit(limit))
+    return select(*cols).where(Job.batch_id == batch_id, UNPUBLISHED, Job.queue == queue).order_by(Job.line_no).limit(limit)
 
 
 def job_row(
