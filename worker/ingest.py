@@ -6,7 +6,7 @@ of the tokenizers library, chat templates by substitution: ``worker.chat_render`
 written in one short transaction (``Store.write_chunk``); then
 the producer's pacer tops the queue up, so a worker starts on line 1 within moments however
 large the file. Memory stays flat in the file's size: only the current chunk is held, plus
-16 bytes a line to catch duplicate custom_ids (``SeenIds``) and the first ``KEEP_BAD`` bad
+8 bytes a line to catch duplicate custom_ids (``SeenIds``) and the first ``KEEP_BAD`` bad
 lines for the report. The batch is marked as being ingested until its last chunk is written
 (``Store.open_batch`` / ``finish_ingest``), so it is never taken for finished between chunks;
 a run killed half-way leaves a prefix of the chunks and rerunning it resumes (rows are
@@ -63,40 +63,41 @@ class IngestResult:
 
 
 class SeenIds:
-    """The custom_ids seen so far and the line each was first on, in bounded memory.
+    """The custom_ids seen so far, as 64-bit hashes in bounded memory.
 
-    A 64-bit hash and a line number per id (16 bytes a line, in sorted numpy runs merged as
-    they grow, as in a log-structured merge), instead of a dict of every id. Hashes can
-    collide, so a hit is only a candidate: ``Ingest`` looks the id up in the store (where every
-    earlier chunk is) before calling a line a duplicate; duplicates are rare, so are look-ups.
+    Eight bytes a line, in sorted numpy runs merged as they grow (as in a log-structured merge),
+    instead of a dict of every id. Hashes can collide, so a hit is only a candidate: ``Ingest``
+    looks the id up in the store (where every earlier chunk is, with its line) before calling a
+    line a duplicate; duplicates are rare, so are look-ups. A merge concatenates two runs and
+    sorts the copy in place, so its transient peak is the two runs once more: at a million lines
+    8 MB, where keys, lines and an argsort's order array (16 bytes a line kept) peaked at ~56 MB.
     """
 
     def __init__(self) -> None:
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._runs: list[np.ndarray] = []
 
     def lookup(self, hashes: np.ndarray) -> np.ndarray:
-        """The first line of each hash seen before, or 0."""
-        found = np.zeros(len(hashes), dtype=np.int64)
-        for keys, lines in self._runs:
+        """For each hash: True when it was added before."""
+        found = np.zeros(len(hashes), dtype=bool)
+        for keys in self._runs:
             idx = np.minimum(np.searchsorted(keys, hashes), len(keys) - 1)
-            hit = (keys[idx] == hashes) & (found == 0)
-            found[hit] = lines[idx[hit]]
+            found |= keys[idx] == hashes
         return found
 
-    def add(self, hashes: np.ndarray, lines: np.ndarray) -> None:
+    def add(self, hashes: np.ndarray) -> None:
         if not len(hashes):
             return
-        order = np.argsort(hashes, kind="stable")
-        self._runs.append((hashes[order], lines[order]))
-        while len(self._runs) > 1 and len(self._runs[-2][0]) <= 2 * len(self._runs[-1][0]):
-            (k1, l1), (k2, l2) = self._runs[-2], self._runs.pop()
-            keys, lines_ = np.concatenate([k1, k2]), np.concatenate([l1, l2])
-            order = np.argsort(keys, kind="stable")  # earlier run first: first lines win on ties
-            self._runs[-1] = (keys[order], lines_[order])
+        self._runs.append(np.sort(hashes))
+        while len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1]):
+            last = self._runs.pop()
+            merged = np.concatenate([self._runs[-1], last])
+            del last
+            self._runs[-1] = merged  # the older run is freed here, before the sort
+            merged.sort()
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self._runs)
+        return sum(keys.nbytes for keys in self._runs)
 
 
 def _hash(custom_id: str) -> int:
@@ -251,7 +252,6 @@ class Ingest:
         earlier = self.seen.lookup(hashes)
         local: dict[str, int] = {}
         new_h: list[int] = []
-        new_l: list[int] = []
         for (i, x), h, hit in zip(keyed, hashes.tolist(), earlier.tolist()):
             cid = x.custom_id
             first = local.get(cid, 0)
@@ -265,8 +265,7 @@ class Ingest:
                 continue
             local[cid] = x.line_no
             new_h.append(h)
-            new_l.append(x.line_no)
-        self.seen.add(np.array(new_h, dtype=np.int64), np.array(new_l, dtype=np.int64))
+        self.seen.add(np.array(new_h, dtype=np.int64))
 
     def _first_line(self, batch_id: str, custom_id: str, line_no: int) -> int:
         """The earlier line holding ``custom_id`` (every earlier chunk is in the store once the

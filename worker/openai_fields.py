@@ -189,8 +189,9 @@ def sampling_fields(extra: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]
     """The honoured sampling fields of a body's other fields (``BODY_FIELDS`` excluded);
     an unknown or refused field raises ``FieldError`` naming it."""
     rules = fields_for(endpoint)
-    unknown = sorted(str(k)[:40] for k in extra if k not in rules)
+    unknown = [k for k in extra if k not in rules]
     if unknown:
+        unknown = sorted(str(k)[:40] for k in unknown)
         others = [k for k in unknown if k in RULES]
         if others:
             raise FieldError(others[0], f"{others[0]}: not a field of {_URL[endpoint]}")

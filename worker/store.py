@@ -10,7 +10,6 @@ across threads (Sessions never are).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -26,7 +25,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import migrate
+from . import json_text, migrate
 from .config import env
 from .group_commit import GroupCommit
 from .models import (CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, W_FAILED, W_STARTING,
@@ -82,8 +81,9 @@ def make_engine(url: str) -> Engine:
     through the ``READ_ONLY`` view, begin DEFERRED and never wait for the write lock)."""
     url = normalize_url(url)
     if make_url(url).get_backend_name() != "sqlite":
-        return create_engine(url, pool_size=4, max_overflow=16, pool_timeout=120, pool_pre_ping=True)
-    engine = create_engine(url, pool_size=4, max_overflow=16, pool_timeout=120)
+        return create_engine(url, pool_size=4, max_overflow=16, pool_timeout=120, pool_pre_ping=True,
+                             json_serializer=json_text.dumps)
+    engine = create_engine(url, pool_size=4, max_overflow=16, pool_timeout=120, json_serializer=json_text.dumps)
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(dbapi_conn, _record) -> None:  # pragma: no cover - trivial
@@ -344,7 +344,7 @@ class Store:
             return False
         cols = list(rows[0])
         table = Job.__table__
-        procs = [json.dumps if isinstance(table.c[c].type, JSON) else table.c[c].type.bind_processor(conn.dialect)
+        procs = [json_text.dumps if isinstance(table.c[c].type, JSON) else table.c[c].type.bind_processor(conn.dialect)
                  for c in cols]  # JSON as its text, as SQLAlchemy would send it
         quote = conn.dialect.identifier_preparer.quote
         raw = conn.connection.driver_connection

@@ -70,15 +70,19 @@ def test_hash_collisions_are_not_duplicates(producer, monkeypatch):
     assert result.bad_lines[0].message == "line 31: duplicate custom_id 'c4' (first on line 4)"
 
 
-def test_seen_ids_keep_the_first_line_in_bounded_memory():
+def test_seen_ids_find_every_hash_added_in_bounded_memory():
     seen = SeenIds()
+    rng = np.random.default_rng(0)
+    added = rng.permutation(np.arange(10_000, dtype=np.int64) * 7919 - 5_000 * 7919)  # negatives too
     for start in range(0, 10_000, 1000):
-        hashes = np.arange(start, start + 1000, dtype=np.int64) * 7919
+        hashes = added[start:start + 1000]
         assert not seen.lookup(hashes).any()
-        seen.add(hashes, np.arange(start, start + 1000, dtype=np.int64) + 1)
-    assert seen.nbytes == 16 * 10_000 and len(seen._runs) <= 4
-    found = seen.lookup(np.array([0, 5 * 7919, 9999 * 7919, 3], dtype=np.int64))
-    assert found.tolist() == [1, 6, 10_000, 0]
+        seen.add(hashes)
+        assert seen.lookup(added[:start + 1000]).all()
+    assert seen.nbytes == 8 * 10_000 and len(seen._runs) <= 4
+    assert all((np.diff(run) >= 0).all() for run in seen._runs)
+    found = seen.lookup(np.array([0, 5 * 7919, 4999 * 7919, 3, 2**62, -2**62], dtype=np.int64))
+    assert found.tolist() == [True, True, True, False, False, False]
 
 
 def test_first_jobs_are_published_while_the_file_is_still_read(producer, redis_url, unique_queue):
