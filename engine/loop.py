@@ -115,6 +115,11 @@ class EngineLoop:
         return self._thread.is_alive()
 
     @property
+    def accepting(self) -> bool:
+        """New requests are taken (False once shutting down or dead)."""
+        return self._accepting and self.error is None
+
+    @property
     def stop_requested(self) -> bool:
         """``shutdown`` was called: a loop that stops now stopped cleanly, it did not die."""
         return self._stop_requested

@@ -147,6 +147,12 @@ class EngineProcess:
         return self.error is not None
 
     @property
+    def accepting(self) -> bool:
+        """New requests are taken. False from the moment the child is seen gone, up to 2 s before
+        ``error`` is recorded (the reader first waits for the child to exit)."""
+        return self._accepting and self.error is None
+
+    @property
     def stop_requested(self) -> bool:
         """``shutdown`` was called: a loop that stops now stopped cleanly, it did not die."""
         return self._stopping

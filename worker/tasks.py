@@ -255,9 +255,12 @@ def engine_death(rt: runtime.Runtime, wait_s: float = 5.0) -> BaseException | No
 
     A task meets a dying engine in many ways (a refused submit, a broken pipe, ``rt.dead``, a
     failed handle) before the engine has recorded why: its process's reader records the error
-    only once the child has exited (up to 2 s), so wait for it up to ``wait_s``."""
+    only once the child has exited (up to 2 s), so wait for it up to ``wait_s``. An engine that
+    refuses requests while nobody asked it to stop is dying, even while its process has not yet
+    exited (``running`` still true): a job claimed again in that window was given back as
+    "the engine is shutting down"."""
     loop = rt.loop
-    if loop.error is None and ((loop.running and not rt.dead) or loop.stop_requested):
+    if loop.error is None and ((loop.running and loop.accepting and not rt.dead) or loop.stop_requested):
         return None
     deadline = time.monotonic() + wait_s
     while loop.error is None and not loop.stop_requested and time.monotonic() < deadline:
