@@ -26,8 +26,6 @@ def _make_dumps() -> Callable[[Any], str]:
 
     def dumps(obj: Any) -> str:
         """``json.dumps(obj)``, for values without circular references (e.g. parsed JSON)."""
-        if isinstance(obj, str):  # the C encoder's one-shot path returns a tuple for containers only
-            return _encoder.encode_basestring_ascii(obj)
         return "".join(encode(obj, 0))
 
     return dumps
