@@ -2,8 +2,10 @@
 published while the rest is still being read.
 
 Each chunk is read, validated, checked against the context (token counts in one batched call
-of the tokenizers library, chat templates by substitution: ``worker.chat_render``) and
-written in one short transaction (``Store.write_chunk``); then
+of the tokenizers library, chat templates by substitution: ``worker.chat_render``; all in
+``worker.ingest_parse``, for a file's later chunks in a child process of its own:
+``worker.parse_process``), deduplicated and written in one short transaction
+(``Store.write_chunk``); then
 the producer's pacer tops the queue up, so a worker starts on line 1 within moments however
 large the file. Memory stays flat in the file's size: only the current chunk is held, plus
 8 bytes a line to catch duplicate custom_ids (``SeenIds``) and the first ``KEEP_BAD`` bad
@@ -16,7 +18,8 @@ matched by custom_id, as any rerun).
 from __future__ import annotations
 
 import gc
-import json
+import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,12 +28,17 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .formats import BadLine, Request, length_error, parse_line
-from .request import fresh_seeds
-from .store import INSERT_CHUNK, Store, job_row, new_ids
+from .formats import BadLine
+from .ingest_parse import GOOD, INVALID, CountTokens, Entry, chunked, numbered_lines, parse_chunk
+from .parse_process import ParseProcess
+from .store import INSERT_CHUNK, Store, job_row
+from .validate import TokenCounter
 
 #: The first chunk is small, so the first jobs are published within moments of the command.
 FIRST_CHUNK = 200
+#: A file smaller than this is parsed here alone: the parsing process takes a few seconds to
+#: start (imports, the tokenizer), about what parsing 8 MB of lines here takes.
+CHILD_MIN_BYTES = 8 << 20
 #: Bad lines kept in memory to report (every one of them is stored as a failed job anyway).
 KEEP_BAD = 1000
 #: Seconds between two of the producer's pacer ticks: the first chunk is paced at once (the
@@ -39,7 +47,7 @@ KEEP_BAD = 1000
 #: at 0.2 s they were a third of the writer thread's time.
 PACE_SECONDS = 1.0
 
-CountTokens = Callable[[Request], int]
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,6 +64,7 @@ class IngestResult:
     published: int = 0  # by this producer's pacer ticks (workers' pacers publish the rest)
     seconds: float = 0.0
     first_chunk_s: float | None = None  # from the start until the first chunk was written and paced
+    parsed_in_child: int = 0  # lines parsed by the child process (``worker.parse_process``)
 
     @property
     def num_lines(self) -> int:
@@ -104,21 +113,6 @@ def _hash(custom_id: str) -> int:
     return hash(custom_id)  # 64-bit, stable within this process, which is all a run needs
 
 
-def numbered_lines(source: str | Path | Iterable[dict[str, Any] | str | bytes]) -> Iterator[tuple[int, Any]]:
-    """(line number, raw line) of every non-blank line; a path is read as bytes, so a line that
-    is not UTF-8 is one bad line, not a failed file."""
-    if isinstance(source, (str, Path)):
-        with open(source, "rb") as fh:
-            for n, raw in enumerate(fh, start=1):
-                if raw.strip():
-                    yield n, raw
-        return
-    for n, item in enumerate(source, start=1):
-        raw = item if isinstance(item, (str, bytes)) else json.dumps(item)
-        if raw.strip():
-            yield n, raw
-
-
 class Ingest:
     """Read one source into one batch, chunk by chunk (see the module's docstring)."""
 
@@ -134,6 +128,9 @@ class Ingest:
         max_model_len: int | None = None,
         pace: Callable[[], int] | None = None,
         chunk: int = INSERT_CHUNK,
+        first_chunk: int = FIRST_CHUNK,
+        parse_in_child: bool = True,
+        child_min_bytes: int = CHILD_MIN_BYTES,
         on_chunk: Callable[[IngestResult], None] | None = None,
     ) -> None:
         self.store = store
@@ -145,17 +142,22 @@ class Ingest:
         self.max_model_len = max_model_len
         self.pace = pace
         self.chunk = chunk
+        self.first_chunk = first_chunk
+        self.parse_in_child = parse_in_child
+        self.child_min_bytes = child_min_bytes
         self.on_chunk = on_chunk
         self.seen = SeenIds()
         self._pending: Future | None = None  # the chunk the writer thread holds
+        self.parser: ParseProcess | None = None  # the child parsing the rest of a file, while it runs
 
     def run(self, source: str | Path | Iterable[Any], *, name: str | None, input_file: str | None,
             params: dict[str, Any] | None = None, max_in_flight: int | None = None) -> IngestResult:
-        """Read ``source`` into a batch. Two stages overlap: this thread parses chunk k+1 while
-        one writer thread counts the tokens of chunk k and stores (and paces) it; token counting
-        runs in the tokenizers library's Rust and a database write mostly waits on the server or
-        on SQLite's C code, both with the GIL released. At most one chunk is in the writer's
-        hands, so memory stays at two chunks, and chunks are written in file order."""
+        """Read ``source`` into a batch. Stages overlap: the first chunk is parsed here (its jobs
+        are published within moments) while, for a file, a child process (``worker.parse_process``)
+        parses the rest on another core; this thread deduplicates chunk k+1 while one writer
+        thread stores (and paces) chunk k, mostly waiting on the database with the GIL released.
+        At most one chunk is in the writer's hands and the child is at most a chunk ahead, so
+        memory stays at a few chunks, and chunks are written in file order."""
         t0 = time.perf_counter()
         # Objects alive now (modules, torch, the tokenizer: millions of them) move to the
         # collector's permanent generation, so its collections walk only this ingest's chunks
@@ -167,13 +169,8 @@ class Ingest:
         result = IngestResult(batch_id)
         last_pace = 0.0
 
-        def write(good: list[Request], rows: list[dict[str, Any]], invalid: list[dict[str, Any]],
-                  bad: list[BadLine]) -> None:
+        def write(rows: list[dict[str, Any]], invalid: list[dict[str, Any]], bad: list[BadLine]) -> None:
             nonlocal last_pace
-            if self.count_tokens is not None and good:
-                rows, too_long = self._check_lengths(good, rows)
-                bad = bad + too_long
-                invalid = invalid + [self._invalid_row(b) for b in too_long]
             written = self.store.write_chunk(batch_id, rows, invalid, reopened=reopened,
                                              retry_failed=self.retry_failed)
             result.num_good += len(rows)  # counted once stored, so ``on_chunk`` sees what is written
@@ -193,23 +190,58 @@ class Ingest:
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-ingest-writer") as writer:
             try:
-                for lines in _chunked(numbered_lines(source), FIRST_CHUNK, self.chunk):
-                    good, bad = self._parse(lines, batch_id)
-                    rows = self._rows(good)
+                for entries in self._entries(source, result):
+                    rows, bad = self._accept(entries, batch_id)
                     invalid = [self._invalid_row(b) for b in bad]
                     self._wait_for_writer()  # the previous chunk is stored (or its error raised here)
-                    self._pending = writer.submit(write, good, rows, invalid, bad)
+                    self._pending = writer.submit(write, rows, invalid, bad)
                 self._wait_for_writer()
             finally:
                 if self._pending is not None:  # an error above: let the write in flight end
                     self._pending.exception()
                 self._pending = None
+                if self.parser is not None:
+                    self.parser.close()
+                    self.parser = None
         self.store.finish_ingest(batch_id)
         if self.pace is not None:
             result.published += self.pace()
         result.bad_lines.sort(key=lambda b: b.line_no)
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _entries(self, source: str | Path | Iterable[Any], result: IngestResult) -> Iterator[list[Entry]]:
+        """Each chunk's parsed entries, in file order: parsed here until the child (started
+        at once for a large enough file) is ready, then by the child."""
+        if self._child_can_parse(source):
+            counter_model = self.count_tokens.model if self.count_tokens is not None else None  # type: ignore[attr-defined]
+            self.parser = ParseProcess(source, model=self.model, priority=self.priority, chunk=self.chunk,
+                                       counter_model=counter_model, max_model_len=self.max_model_len)
+        lines = numbered_lines(source)
+        chunks = chunked(lines, min(self.first_chunk, self.chunk), self.chunk)
+        for chunk in chunks:
+            yield self._parse(chunk)
+            if self.parser is not None and self.parser.ready():
+                chunks.close()
+                lines.close()  # type: ignore[attr-defined]  # the child reads the file itself
+                for entries in self.parser.chunks(after=chunk[-1][0]):
+                    result.parsed_in_child += len(entries)
+                    yield entries
+                return
+            if self.parser is not None and self.parser.failed is not None:
+                log.warning("parsing %s on this core alone: the parsing process died (%s)", source,
+                            self.parser.failed)
+                self.parser.close()
+                self.parser = None
+
+    def _child_can_parse(self, source: Any) -> bool:
+        return (self.parse_in_child and isinstance(source, (str, Path))
+                and (self.count_tokens is None or isinstance(self.count_tokens, TokenCounter))
+                and os.path.getsize(source) >= self.child_min_bytes)
+
+    def _parse(self, lines: Sequence[tuple[int, Any]]) -> list[Entry]:
+        return parse_chunk(lines, model=self.model, priority=self.priority, count_tokens=self.count_tokens,
+                           max_model_len=self.max_model_len)
 
     def _wait_for_writer(self) -> None:
         pending, self._pending = self._pending, None
@@ -219,53 +251,50 @@ class Ingest:
     def _invalid_row(self, b: BadLine) -> dict[str, Any]:
         return job_row(model=self.model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
 
-    def _rows(self, good: list[Request]) -> list[dict[str, Any]]:
-        """The job rows of a chunk's good requests (ids and seeds drawn for the chunk at once)."""
-        n = len(good)
-        return [self._row(r, job_id, seed) for r, job_id, seed in zip(good, new_ids(n), fresh_seeds(n))]
+    def _accept(self, entries: list[Entry], batch_id: str) -> tuple[list[dict[str, Any]], list[BadLine]]:
+        """A chunk's rows to store and its bad lines: invalid, over the context, or a duplicate
+        custom_id (naming the first line; a bad line whose id was taken loses it, so
+        (batch_id, custom_id) stays unique in the store)."""
+        firsts = self._dedup(entries, batch_id)
+        rows: list[dict[str, Any]] = []
+        bad: list[BadLine] = []
+        queues: dict[int, str] = {}
+        for (line_no, cid, kind, value), first in zip(entries, firsts):
+            if first and kind != INVALID:
+                bad.append(BadLine(line_no, f"duplicate custom_id {cid!r} (first on line {first})"))
+            elif kind == GOOD:
+                prio = value["priority"]
+                queue = queues.get(prio)
+                if queue is None:
+                    queue = queues[prio] = self.queue_for(self.model, prio)
+                value["queue"] = queue
+                rows.append(value)
+            else:
+                bad.append(BadLine(line_no, value, None if first else cid))
+        return rows, bad
 
-    def _row(self, r: Request, job_id: str, seed: int) -> dict[str, Any]:
-        prio = self.priority if r.priority is None else r.priority
-        if r.params.seed is None:  # as ``with_seed``, in place: these params are this line's own
-            r.params.seed = seed
-        return job_row(model=self.model, id=job_id, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint,
-                       prompt=r.prompt, prompt_token_ids_in=r.prompt_token_ids, messages=r.messages,
-                       params=r.params.to_dict(only_set=True), queue=self.queue_for(self.model, prio),
-                       priority=prio, user=r.user)
-
-    def _parse(self, lines: Sequence[tuple[int, Any]], batch_id: str) -> tuple[list[Request], list[BadLine]]:
-        """One chunk's good requests and bad lines (bad: invalid or duplicate; the writer finds
-        those over the context)."""
-        items = [parse_line(raw, n, model=self.model) for n, raw in lines]
-        self._dedup(items, batch_id)
-        good = [x for x in items if isinstance(x, Request)]
-        bad = [x for x in items if isinstance(x, BadLine)]
-        return good, bad
-
-    def _dedup(self, items: list[Request | BadLine], batch_id: str) -> None:
-        """Duplicate custom_ids become bad lines naming the first one (in place); a bad line
-        whose id was taken loses it, so (batch_id, custom_id) stays unique in the store."""
-        keyed = [(i, x) for i, x in enumerate(items) if x.custom_id is not None]
+    def _dedup(self, entries: list[Entry], batch_id: str) -> list[int]:
+        """For each entry, the earlier line holding its custom_id, or 0 (the first of its id)."""
+        firsts = [0] * len(entries)
+        keyed = [i for i, e in enumerate(entries) if e[1] is not None]
         if not keyed:
-            return
-        hashes = np.fromiter((_hash(x.custom_id) for _, x in keyed), dtype=np.int64, count=len(keyed))
+            return firsts
+        hashes = np.fromiter((_hash(entries[i][1]) for i in keyed), dtype=np.int64, count=len(keyed))
         earlier = self.seen.lookup(hashes)
         local: dict[str, int] = {}
         new_h: list[int] = []
-        for (i, x), h, hit in zip(keyed, hashes.tolist(), earlier.tolist()):
-            cid = x.custom_id
+        for i, h, hit in zip(keyed, hashes.tolist(), earlier.tolist()):
+            line_no, cid = entries[i][0], entries[i][1]
             first = local.get(cid, 0)
             if not first and hit:  # seen in an earlier chunk, or a hash collision: the store knows
-                first = self._first_line(batch_id, cid, x.line_no)
+                first = self._first_line(batch_id, cid, line_no)
             if first:
-                if isinstance(x, Request):
-                    items[i] = BadLine(x.line_no, f"duplicate custom_id {cid!r} (first on line {first})")
-                else:
-                    x.custom_id = None
+                firsts[i] = first
                 continue
-            local[cid] = x.line_no
+            local[cid] = line_no
             new_h.append(h)
         self.seen.add(np.array(new_h, dtype=np.int64))
+        return firsts
 
     def _first_line(self, batch_id: str, custom_id: str, line_no: int) -> int:
         """The earlier line holding ``custom_id`` (every earlier chunk is in the store once the
@@ -273,52 +302,3 @@ class Ingest:
         self._wait_for_writer()
         first = self.store.custom_id_line(batch_id, custom_id)
         return first if first is not None and first < line_no else 0
-
-    def _check_lengths(self, good: list[Request], rows: list[dict[str, Any]]
-                       ) -> tuple[list[dict[str, Any]], list[BadLine]]:
-        """The rows of the requests that fit the context, and a bad line for each that does not."""
-        counts = prompt_lengths(self.count_tokens, good, self.max_model_len)
-        keep: list[dict[str, Any]] = []
-        bad: list[BadLine] = []
-        for req, row, n in zip(good, rows, counts):
-            error = length_error(n, self.max_model_len)
-            if error is None:
-                keep.append(row)
-            else:
-                bad.append(BadLine(req.line_no, error, req.custom_id))
-        return keep, bad
-
-
-def prompt_lengths(count_tokens: CountTokens, reqs: Sequence[Request], limit: int) -> list[int | Exception]:
-    """Token counts good enough to check prompts against a context of ``limit``: exact, or for a
-    prompt proven to fit, a bound under ``limit`` (the counter's ``lengths`` where it has one)."""
-    lengths = getattr(count_tokens, "lengths", None)
-    return lengths(reqs, limit) if lengths is not None else count_many(count_tokens, reqs)
-
-
-def count_many(count_tokens: CountTokens, reqs: Sequence[Request]) -> list[int | Exception]:
-    """Token counts of many requests: the counter's batched form where it has one."""
-    many = getattr(count_tokens, "count_many", None)
-    if many is not None:
-        return many(reqs)
-    out: list[int | Exception] = []
-    for req in reqs:
-        try:
-            out.append(count_tokens(req))
-        except Exception as exc:  # e.g. a token id outside the vocabulary
-            out.append(exc)
-    return out
-
-
-def _chunked(items: Iterator[Any], first: int, size: int) -> Iterator[list[Any]]:
-    """Lists of ``first`` items, then of ``size``."""
-    chunk: list[Any] = []
-    limit = min(first, size)
-    for item in items:
-        chunk.append(item)
-        if len(chunk) >= limit:
-            yield chunk
-            chunk = []
-            limit = size
-    if chunk:
-        yield chunk

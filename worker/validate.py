@@ -32,6 +32,7 @@ class TokenCounter:
     def __init__(self, model: str) -> None:
         from engine.model_hub import resolve_model
 
+        self.model = model  # what ``worker.parse_process`` builds its own counter from
         path = Path(resolve_model(model))
         self.tokenizer = load_tokenizer(path)
         config = json.loads((path / "config.json").read_text())

@@ -173,3 +173,70 @@ def test_a_chunk_written_twice_keeps_one_row_each(db_url):
     jobs = store.jobs(batch_id)
     assert [(j.line_no, j.prompt, j.params) for j in jobs] == [(1, "p1\x00", {}), (2, "p2\x00", {}),
                                                               (3, None, {})]
+
+
+def _mixed_lines(n: int) -> list[str]:
+    """Prompts and chats, duplicates near and across chunks (of good, bad and too-long lines),
+    bad lines with and without an id, prompts over a small context, blank lines, another model."""
+    out = []
+    for i in range(1, n + 1):
+        cid = f"c{i - 60}" if i > 60 and i % 37 == 0 else f"c{i - 1}" if i % 101 == 0 else f"c{i}"
+        if i % 23 == 0:
+            out.append(json.dumps({"custom_id": cid, "prompt": "word " * 40}))
+        elif i % 29 == 0:
+            out.append(json.dumps({"custom_id": cid, "prompt": "p", "temperature": 9}))
+        elif i % 31 == 0:
+            out.append("{broken")
+        elif i % 41 == 0:
+            out.append(json.dumps({"custom_id": cid, "prompt": "p", "model": "gpt-9-ultra"}))
+        elif i % 43 == 0:
+            out.append("   ")
+        elif i % 2:
+            out.append(json.dumps({"custom_id": cid, "messages": [{"role": "user", "content": f"hi {i}"}],
+                                   "max_tokens": i % 7 + 1, "priority": "interactive" if i % 5 == 0 else None}))
+        else:
+            out.append(json.dumps({"custom_id": cid, "prompt": f"p{i}", "temperature": 0.5, "user": f"u{i % 3}"}))
+    return out
+
+
+def _child_started(ingest: Ingest) -> None:
+    """Hold the writer until the child says it is ready (a few seconds: this file takes the
+    parent less), so the hand-over happens early in the file."""
+    import select
+
+    if ingest.parser is not None:
+        assert select.select([ingest.parser.proc.stdout], [], [], 60)[0], "the parsing process never got ready"
+
+
+def test_a_file_parsed_in_a_child_process_gives_the_jobs_parsed_in_process(producer, tiny_model_dir, tmp_path):
+    """Once the child (``worker.parse_process``) is ready it parses the rest of the file: rows,
+    errors, duplicates (across the hand-over too) and context checks are the same as parsed here."""
+    from worker.validate import TokenCounter
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(_mixed_lines(700)) + "\n")
+    counter = TokenCounter(tiny_model_dir)
+    kw = dict(count_tokens=counter, max_model_len=24, first_chunk=50)
+    child = _ingest(producer, chunk=100, child_min_bytes=0, on_chunk=lambda result: _child_started(ingest), **kw)
+    ingest = child
+    child = child.run(src, name="child", input_file=None)
+    here = _ingest(producer, chunk=100, parse_in_child=False, **kw).run(src, name="here", input_file=None)
+    assert 400 < child.parsed_in_child < 700 and here.parsed_in_child == 0
+
+    def jobs(batch_id):
+        out = {}
+        for j in producer.store.jobs(batch_id):
+            params = dict(j.params)
+            assert j.status == FAILED or isinstance(params.pop("seed"), int)
+            out[j.line_no] = (j.custom_id, j.status, j.error, j.error_type, j.endpoint, j.prompt, j.messages, params,
+                              j.queue, j.priority, j.user)
+        return out
+
+    got, want = jobs(child.batch_id), jobs(here.batch_id)
+    assert got == want
+    assert len(got) == 700 - len(range(43, 701, 43))
+    errors = [e for (_, status, e, *_rest) in got.values() if status == FAILED]
+    for kind in ("duplicate custom_id", "over the model's context", "malformed JSON", "temperature", "gpt-9-ultra"):
+        assert any(kind in e for e in errors), kind
+    assert (child.num_good, child.num_bad) == (here.num_good, here.num_bad)
+    assert [(b.line_no, b.error) for b in child.bad_lines] == [(b.line_no, b.error) for b in here.bad_lines]
