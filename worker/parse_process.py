@@ -73,8 +73,11 @@ class ParseProcess:
         """The child's chunks of the lines after line ``after``, in file order; raises if it
         dies before its last one. Call once ``ready()``."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{after}\n".encode())
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.write(f"{after}\n".encode())
+            self.proc.stdin.close()
+        except BrokenPipeError as exc:
+            raise RuntimeError(f"the parsing process died: {self._failure()}") from exc
         while True:
             try:
                 entries = pickle.load(self.proc.stdout)

@@ -240,3 +240,46 @@ def test_a_file_parsed_in_a_child_process_gives_the_jobs_parsed_in_process(produ
         assert any(kind in e for e in errors), kind
     assert (child.num_good, child.num_bad) == (here.num_good, here.num_bad)
     assert [(b.line_no, b.error) for b in child.bad_lines] == [(b.line_no, b.error) for b in here.bad_lines]
+
+
+def test_a_parsing_process_killed_before_it_is_ready_leaves_the_file_to_the_parent(producer, tmp_path, caplog):
+    """SIGKILL to the child while it starts: the parent parses the whole file itself, says so."""
+    import signal
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(_lines(900)) + "\n")
+
+    def kill_child(result):
+        if ingest.parser is not None and ingest.parser.proc.poll() is None:
+            ingest.parser.proc.send_signal(signal.SIGKILL)
+            ingest.parser.proc.wait()
+
+    ingest = _ingest(producer, chunk=100, first_chunk=50, child_min_bytes=0, on_chunk=kill_child)
+    with caplog.at_level("WARNING", logger="worker.ingest"):
+        result = ingest.run(src, name="b", input_file=None)
+    assert result.parsed_in_child == 0 and result.num_good == 900
+    assert "the parsing process died (killed by signal 9)" in caplog.text
+    assert sorted(j.line_no for j in producer.store.jobs(result.batch_id)) == list(range(1, 901))
+
+
+def test_a_parsing_process_killed_mid_file_fails_the_ingest_and_a_rerun_resumes(producer, tmp_path):
+    """SIGKILL to the child once it streams: the ingest fails naming it (never a silent short
+    batch), the batch stays open, and the rerun writes the rest, every line once."""
+    import signal
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(_lines(3000)) + "\n")
+
+    def kill_once_streaming(result):
+        _child_started(ingest)
+        if result.parsed_in_child and ingest.parser.proc.poll() is None:
+            ingest.parser.proc.send_signal(signal.SIGKILL)
+
+    ingest = _ingest(producer, chunk=100, first_chunk=50, child_min_bytes=0, on_chunk=kill_once_streaming)
+    with pytest.raises(RuntimeError, match=r"the parsing process died: killed by signal 9"):
+        ingest.run(src, name="b", input_file=None)
+    batch = producer.store.get_batch("b")
+    assert batch.ingested_at is None and 0 < sum(producer.store.batch_counts(batch.id).values()) < 3000
+    again = _ingest(producer, chunk=100).run(src, name="b", input_file=None)
+    assert again.batch_id == batch.id
+    assert sorted(j.line_no for j in producer.store.jobs(batch.id)) == list(range(1, 3001))
