@@ -221,14 +221,16 @@ class Ingest:
         chunks = chunked(lines, min(self.first_chunk, self.chunk), self.chunk)
         for chunk in chunks:
             yield self._parse(chunk)
-            if self.parser is not None and self.parser.ready():
+            if self.parser is None:
+                continue
+            if self.parser.ready():
                 chunks.close()
                 lines.close()  # type: ignore[attr-defined]  # the child reads the file itself
                 for entries in self.parser.chunks(after=chunk[-1][0]):
                     result.parsed_in_child += len(entries)
                     yield entries
                 return
-            if self.parser is not None and self.parser.failed is not None:
+            if self.parser.failed is not None:
                 log.warning("parsing %s on this core alone: the parsing process died (%s)", source,
                             self.parser.failed)
                 self.parser.close()

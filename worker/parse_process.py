@@ -53,10 +53,6 @@ class ParseProcess:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
         self.failed: str | None = None  # why the child died before it was ready
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def ready(self) -> bool:
         """Whether the child is ready to parse (never blocks); False for good once it has died."""
         assert self.proc.stdout is not None
