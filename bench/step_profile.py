@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from bench.machine import describe_machine  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.quantization import Int8DynamicLinear  # noqa: E402
 from engine.model_hub import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 PHASES = ("scheduler", "prepare", "forward", "sampler", "detokenizer", "loop")
@@ -168,6 +169,37 @@ def profile_forward(engine: LLMEngine, prompts, steps: int) -> dict[str, float]:
     return result
 
 
+def weight_floor(engine: LLMEngine, batch: int, passes: int = 10) -> tuple[float, int]:
+    """Seconds for every linear of the model (the head included) run once, in order, on ``batch``
+    rows and nothing else, and the bytes of weights they read: the floor of a decode step.
+
+    This is the time the weights take to stream through the CPU with the kernels the engine
+    uses; a step can only beat it by reading fewer bytes (quantization), not by less overhead.
+    """
+    linears = [m for m in engine.model.modules()
+               if hasattr(m, "in_features") and hasattr(m, "out_features") and not list(m.children())]
+    dtype = engine.runner.config.dtype
+    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
+    float_bytes = torch.empty(0, dtype=dtype).element_size()
+    weight_bytes = sum(m.in_features * m.out_features * (1 if isinstance(m, Int8DynamicLinear) else float_bytes)
+                       for m in linears)
+    with torch.inference_mode():
+        for _ in range(2):
+            for m in linears:
+                m(inputs[m.in_features])
+        start = time.perf_counter()
+        for _ in range(passes):
+            for m in linears:
+                m(inputs[m.in_features])
+    return (time.perf_counter() - start) / passes, weight_bytes
+
+
+def print_floor(batch: int, step: float, floor: float, weight_bytes: int) -> None:
+    print(f"  weight floor at batch {batch}: {floor * 1e3:.2f} ms ({weight_bytes / 1e6:.0f} MB of weights at "
+          f"{weight_bytes / floor / 1e9:.1f} GB/s) = {batch / floor:.1f} tok/s at most; "
+          f"the step is {step / floor:.2f}x the floor")
+
+
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.2f}"
 
@@ -227,6 +259,7 @@ def main() -> None:
             print_phases(mode, batch, phases)
             if mode == "eager" and args.device == "cpu":  # CUDA ops are asynchronous: no per-op split
                 print_forward(batch, profile_forward(engine, prompts, args.steps))
+                print_floor(batch, phases["step"], *weight_floor(engine, batch))
         del llm, engine
 
 

@@ -32,6 +32,8 @@ class PagedMetadata:
     # Host-side maxima, so a GPU kernel launch never reads them back from the device.
     max_query_len: int = 0
     max_context_len: int = 0
+    # True when no slot of ``slot_mapping`` is padding (-1): the torch write skips its check.
+    slots_all_valid: bool | None = None
     # Layer-independent attention work (masks, gather indices), built by the first layer.
     plan_cache: dict = field(default_factory=dict)
 
@@ -51,7 +53,7 @@ def paged_attention_flat(
     fused decoder layers of ``engine.fused_layers``.
     """
     k_cache, v_cache = meta.kv_caches[layer_idx]
-    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend, all_valid=meta.slots_all_valid)
     return kernels.paged_attention(
         q,
         k_cache,

@@ -143,6 +143,7 @@ class ModelRunner:
             backend=self.backend,
             max_query_len=max(len(tokens) for _, tokens, _ in chunks),
             max_context_len=max(context_lens),
+            slots_all_valid=True,  # every slot above comes from a real block table entry
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -23,6 +23,7 @@ from kernels.sampling import coupled_sample_torch
 BACKENDS = ("torch", "triton")
 TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
 TORCH_HINTS = ("plan_cache",)
+TORCH_WRITE_HINTS = ("all_valid",)
 
 
 def kernel_backend(device: torch.device | str) -> str:
@@ -59,11 +60,17 @@ def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
 
 
 def write_kv(*args, backend: str = "torch", **kwargs) -> None:
-    """Dispatch to the chosen implementation of the KV-cache write (see ``kernels.cache_ops``)."""
+    """Dispatch to the chosen implementation of the KV-cache write (see ``kernels.cache_ops``).
+
+    The torch-only hint ``all_valid`` may be passed on any backend (Triton skips padding slots
+    in the kernel and ignores it).
+    """
     _check(backend)
     if backend == "triton":
         from kernels.cache_ops import write_kv_triton
 
+        for hint in TORCH_WRITE_HINTS:
+            kwargs.pop(hint, None)
         return write_kv_triton(*args, **kwargs)
     return write_kv_torch(*args, **kwargs)
 

@@ -16,15 +16,23 @@ def write_kv_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    all_valid: bool | None = None,
 ) -> None:
-    """Scatter new ``key``/``value`` rows ``[T, kv_heads, head_dim]`` into their slots."""
+    """Scatter new ``key``/``value`` rows ``[T, kv_heads, head_dim]`` into their slots.
+
+    ``all_valid=True`` says no slot is ``-1`` (the caller knows it for the whole step), which
+    spares every layer the check.
+    """
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
+    if all_valid is None:
+        all_valid = bool((slot_mapping >= 0).all())
+    if all_valid:
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
         return
+    valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     flat_k.index_copy_(0, slots, key[valid].to(flat_k.dtype))
     flat_v.index_copy_(0, slots, value[valid].to(flat_v.dtype))

@@ -87,6 +87,9 @@ class _GroupPlan:
     out_rows: torch.Tensor  # flat output rows of the valid padded slots
     valid: torch.Tensor | None  # [batch, q_max] bool; None when every slot is valid (decode)
     mask: torch.Tensor  # [batch, 1, groups * q_max, L] additive float mask, grouped layout
+    # The group is the whole step, one query token per sequence in order (a decode-only step):
+    # its query and output rows are the step's own, with no gather or scatter.
+    whole_step: bool = False
 
 
 def _plan_group(
@@ -115,24 +118,26 @@ def _plan_group(
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
     mask = mask[:, None, None].expand(b, 1, groups, q_max, kv_len).reshape(b, 1, groups * q_max, kv_len)
     if q_max == 1:
-        return _GroupPlan(b, q_max, block_ids, rows.reshape(-1), rows[:, 0], None, mask)
+        whole_step = seqs == list(range(len(ctx_list))) and all(starts[i] == i for i in seqs)
+        return _GroupPlan(b, q_max, block_ids, rows.reshape(-1), rows[:, 0], None, mask, whole_step)
     valid = torch.arange(q_max, device=device)[None, :] < n[:, None]
     return _GroupPlan(b, q_max, block_ids, rows.reshape(-1), rows[valid], valid, mask)
 
 
 def _attend_group(
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: _GroupPlan,
     scale: float,
-) -> None:
+) -> torch.Tensor:
     """One padded SDPA call; query rows past a sequence's length are discarded.
 
     Grouped-query attention without repeating K/V: the ``H / Hkv`` query heads that share a KV
     head are folded into the query-length axis, so one SDPA call per KV head serves them all
-    (query head h reads KV head ``h // (H / Hkv)``, as transformers' repeat_kv).
+    (query head h reads KV head ``h // (H / Hkv)``, as transformers' repeat_kv). The result is
+    written into ``out``'s rows, or returned as ``[T, H, D]`` for a ``whole_step`` group.
     """
     b, n = plan.batch, plan.q_max
     h, d = query.shape[1:]
@@ -140,13 +145,18 @@ def _attend_group(
     v = _gather(v_cache, plan.block_ids, b, "v").to(query.dtype)
     hkv = k.shape[1]
     g = h // hkv
+    if n == 1:
+        q = query.view(b, hkv, g, d) if plan.whole_step else query.index_select(0, plan.query_rows).view(b, hkv, g, d)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale).reshape(b, h, d)
+        if plan.whole_step:
+            return attended
+        out.index_copy_(0, plan.out_rows, attended)
+        return out
     q = query.index_select(0, plan.query_rows).view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
     attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
     attended = attended.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4)
-    if plan.valid is None:
-        out.index_copy_(0, plan.out_rows, attended.reshape(b, h, d))
-    else:
-        out.index_copy_(0, plan.out_rows, attended[plan.valid].reshape(-1, h, d))
+    out.index_copy_(0, plan.out_rows, attended[plan.valid].reshape(-1, h, d))
+    return out
 
 
 def plan_paged_attention_torch(
@@ -197,7 +207,6 @@ def paged_attention_torch(
     ``plan_cache``: a dict that lives as long as one step's metadata; the step's plan (groups,
     block ids, masks) is built on the first layer's call and reused by the others.
     """
-    out = torch.empty_like(query)
     key = (sliding_window, query.shape[1], k_cache.shape[2], query.dtype)
     plan = plan_cache.get(key) if plan_cache is not None else None
     if plan is None:
@@ -207,6 +216,9 @@ def paged_attention_torch(
         )
         if plan_cache is not None:
             plan_cache[key] = plan
+    if len(plan) == 1 and plan[0].whole_step:
+        return _attend_group(None, query, k_cache, v_cache, plan[0], scale)
+    out = torch.empty_like(query)
     for group in plan:
         _attend_group(out, query, k_cache, v_cache, group, scale)
     return out

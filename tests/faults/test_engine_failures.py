@@ -115,16 +115,17 @@ def test_poison_request_fails_alone(workers):
 
 
 def test_specbatch_run_restarts_its_local_worker(tiny_model, redis_url, unique_queue, tmp_path):
-    """The local worker of ``specbatch run`` dies (its loop, every ~60 steps) and is restarted
-    with backoff until the file is done; every line gets exactly one result."""
+    """The local worker of ``specbatch run`` dies (its loop, every 30 steps: once for this file's
+    ~50 steps) and is restarted with backoff until the file is done; every line gets exactly one
+    result."""
     lines = [json.dumps({"custom_id": f"c{i}", "prompt": f"line {i}", "max_tokens": 8, "ignore_eos": True,
-                         "temperature": 0}) for i in range(60)]
+                         "temperature": 0}) for i in range(24)]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue, SPECBATCH_MAX_ATTEMPTS="20",
                SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"), SPECBATCH_WORKER_LOGLEVEL="info",
-               SPECBATCH_FAULTS=json.dumps({"loop_dies_after_steps": 60}))
+               SPECBATCH_FAULTS=json.dumps({"loop_dies_after_steps": 30}))
     env.pop("DATABASE_URL", None)
     res = subprocess.run(
         [sys.executable, "-m", "worker.cli", "--broker-url", redis_url, "--database-url",
@@ -133,6 +134,6 @@ def test_specbatch_run_restarts_its_local_worker(tiny_model, redis_url, unique_q
     assert res.returncode == 0, res.stderr[-3000:]
     assert "restarted (" in res.stderr  # it did die, and came back
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["custom_id"] for r in rows) == sorted(f"c{i}" for i in range(60))
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"c{i}" for i in range(24))
     assert all(r["error"] is None for r in rows)
     assert max(stored_results((tmp_path / "worker.log").read_text()).values()) == 1

@@ -92,3 +92,35 @@ def test_reference_runs_in_and_out_of_inference_mode_on_one_thread():
         inside = paged_attention_torch(*case.args())
     outside = paged_attention_torch(*case.args())
     torch.testing.assert_close(inside.clone(), outside)
+
+
+def test_a_decode_only_step_attends_its_rows_in_place():
+    """A step of one query token per sequence reads its query rows as they lie (here a strided
+    slice, as the fused layers pass ``qk[:, :H]``) and returns the attention itself; a step that
+    also holds a prefill chunk gathers and scatters its decode rows. Both match the naive loops."""
+    decode = make_case([5, 16, 17, 40], [1, 1, 1, 1], group=3, head_dim=16, seed=6, device="cpu")
+    wider = torch.cat([decode.query, torch.randn(decode.query.shape[0], 2, 16)], dim=1)
+    strided = dataclasses.replace(decode, query=wider[:, : decode.query.shape[1]])
+    assert not strided.query.is_contiguous()
+    plan_cache: dict = {}
+    got = paged_attention_torch(*strided.args(), plan_cache=plan_cache)
+    (plan,) = plan_cache.values()
+    assert [group.whole_step for group in plan] == [True]
+    torch.testing.assert_close(got.double(), naive_attention(decode), atol=1e-5, rtol=1e-5)
+
+    mixed = make_case([9, 30, 12], [1, 7, 1], group=3, head_dim=16, seed=7, device="cpu")
+    plan_cache = {}
+    got = paged_attention_torch(*mixed.args(), plan_cache=plan_cache)
+    (plan,) = plan_cache.values()
+    assert [group.whole_step for group in plan] == [False, False]
+    torch.testing.assert_close(got.double(), naive_attention(mixed), atol=1e-5, rtol=1e-5)
+
+
+def test_a_write_told_every_slot_is_valid_skips_no_row():
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    key, value = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    slots = torch.tensor([17, 5, 63])
+    write_kv_torch(key, value, k_cache, v_cache, slots, all_valid=True)
+    for t, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[slot // 16, slot % 16], key[t]) and torch.equal(v_cache[slot // 16, slot % 16], value[t])
