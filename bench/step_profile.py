@@ -141,7 +141,7 @@ def profile_forward(engine: LLMEngine, prompts, steps: int) -> dict[str, float]:
         handles.append(module.register_forward_hook(post))
 
     for layer in layers:
-        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for attr in ("qkv_proj", "gate_up_proj"):  # o_proj and down_proj: timed with their residual add below
             hook_module(getattr(layer, attr), "linears")
     hook_module(model.get_input_embeddings(), "embedding")
     hook_module(model.get_output_embeddings(), "lm_head")
@@ -156,6 +156,7 @@ def profile_forward(engine: LLMEngine, prompts, steps: int) -> dict[str, float]:
     with (
         patched(fused_layers, "_rms_norm", timers.wrap("norms", fused_layers._rms_norm)),
         patched(fused_layers, "_rotate", timers.wrap("rotary", fused_layers._rotate)),
+        patched(fused_layers, "_add_linear", timers.wrap("linears", fused_layers._add_linear)),
         patched(fused_layers, "paged_attention_flat", timers.wrap("attention", fused_layers.paged_attention_flat)),
         patched(engine.runner, "forward", timers.wrap("forward", forward)),
         patched(engine.runner, "graphs", None),  # the split needs the eager ops

@@ -43,6 +43,19 @@ class PackedLinear(nn.Module):
             x = x.contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` in one oneDNN call (a binary post-op) where that is exact.
+
+        In float32 oneDNN adds ``residual`` to the finished float32 product, the very sum the two
+        ops compute (bit for bit, tested); in bfloat16 the fused add would round once where the
+        two ops round twice, so bfloat16 keeps them apart.
+        """
+        if self.dtype != torch.float32 or residual.dtype != torch.float32 or not residual.is_contiguous():
+            return residual + self(x)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
+
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()

@@ -99,11 +99,19 @@ class FusedDecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         attended = paged_attention_flat(self.layer_idx, q, k, v, specbatch_metadata, self.scaling, self.sliding_window)
-        x = x + self.o_proj(attended.reshape(t, -1))
+        x = _add_linear(x, self.o_proj, attended.reshape(t, -1))
         h = _rms_norm(x, self.post_norm_weight, self.post_norm_eps)
         gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
-        x = x + self.down_proj(F.silu(gate) * up)
+        x = _add_linear(x, self.down_proj, F.silu(gate) * up)
         return x[None]
+
+
+def _add_linear(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x)``: one call where the linear can fuse the add (``PackedLinear``)."""
+    forward_add = getattr(linear, "forward_add", None)
+    if forward_add is not None:
+        return forward_add(x, residual)
+    return residual + linear(x)
 
 
 def _sliding_window(layer: nn.Module) -> int | None:

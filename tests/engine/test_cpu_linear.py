@@ -24,3 +24,29 @@ def test_pack_linears_replaces_every_linear():
     assert pack_linears(model) == 2
     assert not any(type(m) is nn.Linear for m in model.modules())
     torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_forward_add_is_the_residual_plus_the_linear_bit_for_bit(bias, rows):
+    """The fused residual add (one oneDNN call) must be exactly ``residual + linear(x)`` in float32:
+    the decoder layers rely on it for outputs identical to transformers'. The residual is kept."""
+    torch.manual_seed(rows)
+    packed = PackedLinear(nn.Linear(96, 200, bias=bias))
+    x, residual = torch.randn(rows, 96), torch.randn(rows, 200)
+    kept = residual.clone()
+    got = packed.forward_add(x, residual)
+    assert torch.equal(got, residual + packed(x))
+    assert torch.equal(residual, kept)
+
+
+def test_forward_add_keeps_two_roundings_in_bfloat16_and_takes_strided_residuals():
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(96, 200).to(torch.bfloat16))
+    x, residual = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(4, 200, dtype=torch.bfloat16)
+    assert torch.equal(packed.forward_add(x, residual), residual + packed(x))
+    packed32 = PackedLinear(nn.Linear(96, 200))
+    strided_residual = torch.randn(4, 400)[:, ::2]
+    strided_x = torch.randn(96, 4).t()
+    assert not strided_residual.is_contiguous() and not strided_x.is_contiguous()
+    assert torch.equal(packed32.forward_add(strided_x, strided_residual), strided_residual + packed32(strided_x))
