@@ -52,8 +52,10 @@ class Heartbeat:
         aborted = []
         for job_id in lost:
             with self._lock:
-                if job_id not in self._owned:
-                    continue  # finished meanwhile
+                if self._owned.get(job_id) != owned[job_id]:
+                    # Finished meanwhile, or finished and claimed again by this process (a new
+                    # attempt: the refresh above was for the old one, which that attempt superseded).
+                    continue
                 self._lost[job_id] = "cancelled or superseded"
             self.abort(owned[job_id][1])
             aborted.append(job_id)

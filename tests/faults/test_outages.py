@@ -68,7 +68,7 @@ def run_through_outage(settings: Settings, tmp_path, name: str, outage, after=la
                 worker.keep_alive()
             time.sleep(0.5)
         counts = client.wait(batch_id, timeout=5)  # the producer's own polls live through it too
-        assert counts[SUCCEEDED] == 60, counts
+        assert counts[SUCCEEDED] == 60, (counts, client.store.failed_jobs(batch_id))
         after()
         logs = group.logs()
         assert max(stored_results(logs).values()) == 1

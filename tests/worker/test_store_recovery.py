@@ -125,3 +125,42 @@ def test_a_large_batch_is_written_in_many_short_transactions(sqlite_url, monkeyp
     prepared = store.prepare_batch(name="big", input_file=None, model="m", rows=rows)
     assert len(prepared.to_enqueue) == 1000 and store.batch_counts(prepared.batch_id)[QUEUED] == 1000
     assert len(commits) >= 10  # so a heartbeat's transaction waits for one chunk at most
+
+
+def test_a_refresh_for_a_superseded_attempt_never_aborts_the_attempt_that_replaced_it(db_url):
+    """After a database outage the reaper re-queues every running job at once and this same
+    worker may claim one again while its heartbeat is still refreshing the old attempt: the
+    refresh says "superseded", and it must not mark the new attempt lost (it once did, and the
+    new attempt's good result was stored as failed: "aborted: cancelled or superseded")."""
+    from worker.heartbeat import Heartbeat
+
+    store = _store(db_url)
+    first = _running(store, "x")
+    aborted: list[str] = []
+
+    class ReclaimedDuringTheRefresh(Store):
+        """The real store; the reaper and a new claim run between the snapshot and the write."""
+
+        def heartbeat_many(self, attempts):
+            if attempts == {"x": first}:
+                assert store.give_back("x", first, "lease expired", forgive=False)
+                assert beat.untrack("x") is None  # attempt 1 ended (fenced)
+                second = store.claim("x", worker="w", device="cpu", lease_s=60, max_attempts=5, queue="q").attempt
+                beat.track("x", second, f"x#{second}")
+            return super().heartbeat_many(attempts)
+
+    racing = ReclaimedDuringTheRefresh(db_url)
+    beat = Heartbeat(racing, aborted.append, interval=3600)
+    try:
+        beat.track("x", first, f"x#{first}")
+        assert beat.beat() == []
+        assert aborted == []
+        job = store.get_job("x")
+        assert job.status == RUNNING and job.attempts == first + 1
+        before = job.heartbeat_at
+        time.sleep(0.01)
+        assert beat.beat() == []  # the new attempt's lease is refreshed: it is owned
+        assert store.get_job("x").heartbeat_at > before
+        assert beat.untrack("x") is None  # its result will be stored as it is
+    finally:
+        beat.stop()
