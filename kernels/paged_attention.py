@@ -118,26 +118,25 @@ def _plan_group(
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
     mask = mask[:, None, None].expand(b, 1, groups, q_max, kv_len).reshape(b, 1, groups * q_max, kv_len)
     if q_max == 1:
-        whole_step = seqs == list(range(len(ctx_list))) and all(starts[i] == i for i in seqs)
+        whole_step = len(seqs) == len(ctx_list)  # every sequence has one query token: row i is sequence i
         return _GroupPlan(b, q_max, block_ids, rows.reshape(-1), rows[:, 0], None, mask, whole_step)
     valid = torch.arange(q_max, device=device)[None, :] < n[:, None]
     return _GroupPlan(b, q_max, block_ids, rows.reshape(-1), rows[valid], valid, mask)
 
 
 def _attend_group(
-    out: torch.Tensor | None,
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: _GroupPlan,
     scale: float,
 ) -> torch.Tensor:
-    """One padded SDPA call; query rows past a sequence's length are discarded.
+    """One padded SDPA call: the attention of the group's valid query rows, ``[len(out_rows), H, D]``.
 
     Grouped-query attention without repeating K/V: the ``H / Hkv`` query heads that share a KV
     head are folded into the query-length axis, so one SDPA call per KV head serves them all
-    (query head h reads KV head ``h // (H / Hkv)``, as transformers' repeat_kv). The result is
-    written into ``out``'s rows, or returned as ``[T, H, D]`` for a ``whole_step`` group.
+    (query head h reads KV head ``h // (H / Hkv)``, as transformers' repeat_kv). Query rows
+    past a sequence's length are discarded. A ``whole_step`` group reads ``query`` as it lies.
     """
     b, n = plan.batch, plan.q_max
     h, d = query.shape[1:]
@@ -146,17 +145,12 @@ def _attend_group(
     hkv = k.shape[1]
     g = h // hkv
     if n == 1:
-        q = query.view(b, hkv, g, d) if plan.whole_step else query.index_select(0, plan.query_rows).view(b, hkv, g, d)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale).reshape(b, h, d)
-        if plan.whole_step:
-            return attended
-        out.index_copy_(0, plan.out_rows, attended)
-        return out
+        rows = query if plan.whole_step else query.index_select(0, plan.query_rows)
+        return F.scaled_dot_product_attention(rows.view(b, hkv, g, d), k, v, attn_mask=plan.mask, scale=scale).reshape(b, h, d)
     q = query.index_select(0, plan.query_rows).view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
     attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
     attended = attended.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4)
-    out.index_copy_(0, plan.out_rows, attended[plan.valid].reshape(-1, h, d))
-    return out
+    return attended[plan.valid].reshape(-1, h, d)
 
 
 def plan_paged_attention_torch(
@@ -217,10 +211,10 @@ def paged_attention_torch(
         if plan_cache is not None:
             plan_cache[key] = plan
     if len(plan) == 1 and plan[0].whole_step:
-        return _attend_group(None, query, k_cache, v_cache, plan[0], scale)
+        return _attend_group(query, k_cache, v_cache, plan[0], scale)
     out = torch.empty_like(query)
     for group in plan:
-        _attend_group(out, query, k_cache, v_cache, group, scale)
+        out.index_copy_(0, group.out_rows, _attend_group(query, k_cache, v_cache, group, scale))
     return out
 
 
