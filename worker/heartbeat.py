@@ -25,21 +25,36 @@ class Heartbeat:
         self.abort = abort  # aborts an engine request by id
         self.interval = interval
         self._owned: dict[str, tuple[int, str]] = {}  # job id -> (attempt, engine request id)
-        self._lost: dict[str, str] = {}  # job id -> why this attempt no longer owns it
+        self._lost: dict[str, str] = {}  # job id -> why the tracked attempt no longer owns it
+        self._superseded: dict[tuple[str, int], str] = {}  # (job id, older attempt) -> why, until untracked
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specbatch-heartbeat", daemon=True)
         self._thread.start()
 
     def track(self, job_id: str, attempt: int, request_id: str) -> None:
+        """Refresh this attempt's lease from now on. An older attempt of the same job still
+        tracked here (re-queued by a reaper after an outage, then claimed again by this very
+        process) no longer owns the job: it is aborted, and its ``untrack`` says why."""
         with self._lock:
+            older = self._owned.get(job_id)
             self._owned[job_id] = (attempt, request_id)
             self._lost.pop(job_id, None)
+            if older is not None and older[0] != attempt:
+                self._superseded[(job_id, older[0])] = f"superseded by attempt {attempt} in this worker"
+        if older is not None and older[1] != request_id:
+            self.abort(older[1])
 
-    def untrack(self, job_id: str) -> str | None:
-        """Stop refreshing ``job_id``; return why it was lost, if it was."""
+    def untrack(self, job_id: str, attempt: int) -> str | None:
+        """Stop refreshing this attempt; return why it was lost, if it was. A newer attempt
+        of the job tracked meanwhile stays tracked."""
         with self._lock:
-            self._owned.pop(job_id, None)
+            superseded = self._superseded.pop((job_id, attempt), None)
+            if superseded is not None:
+                return superseded
+            if self._owned.get(job_id, (None, None))[0] != attempt:
+                return None
+            del self._owned[job_id]
             return self._lost.pop(job_id, None)
 
     def beat(self) -> list[str]:

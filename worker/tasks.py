@@ -15,6 +15,7 @@ with a new message.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -245,7 +246,8 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
     except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc!r}", forgive=True), None
-    rt.inflight[job_id] = request_id
+    with _inflight_lock:
+        rt.inflight[job_id] = request_id
     rt.heartbeats(store, heartbeat_seconds()).track(job_id, attempt, request_id)  # one thread refreshes every lease
     return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + max_job_seconds())
 
@@ -292,7 +294,7 @@ def wait_and_store(rt: runtime.Runtime, store,
             for r in done:
                 # ``rt.inflight`` keeps the job until it is stored or given back: a dying worker
                 # waits for that before it exits (``runtime._on_engine_death``).
-                lost = heartbeat.untrack(r.job_id)
+                lost = heartbeat.untrack(r.job_id, r.attempt)
                 back: tuple[str, bool] | None = None  # (why, forgive) when the job goes back to the queue
                 try:
                     out = r.handle.result(0)
@@ -315,7 +317,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                         values.update(status=FAILED, error="aborted", error_type="aborted")
                 if back is not None:
                     outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, back[0], forgive=back[1])
-                    rt.inflight.pop(r.job_id, None)
+                    forget_inflight(rt, r)
                     yield r.index, (outcome, None)
                     continue
                 to_store.append((r, values))
@@ -323,7 +325,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                 stored = with_db_retry("store result", lambda: store.finish_many(
                     [(r.job_id, r.attempt, values) for r, values in to_store]))
                 for (r, values), ok in zip(to_store, stored):
-                    rt.inflight.pop(r.job_id, None)
+                    forget_inflight(rt, r)
                     if ok:
                         log.info("job %s attempt %s stored: %s", r.job_id, r.attempt, values["status"])
                         yield r.index, (values["status"], values)
@@ -332,8 +334,19 @@ def wait_and_store(rt: runtime.Runtime, store,
                         yield r.index, ("fenced", values)
     finally:
         for r in running:  # an error above: those not stored stay running; their leases expire
-            heartbeat.untrack(r.job_id)
-            rt.inflight.pop(r.job_id, None)
+            heartbeat.untrack(r.job_id, r.attempt)
+            forget_inflight(rt, r)
+
+
+def forget_inflight(rt: runtime.Runtime, r: Running) -> None:
+    """This attempt is stored or given back; a newer attempt of its job (claimed again by this
+    process after a reaper re-queued it) stays in ``rt.inflight``."""
+    with _inflight_lock:
+        if rt.inflight.get(r.job_id) == r.request_id:
+            del rt.inflight[r.job_id]
+
+
+_inflight_lock = threading.Lock()  # the task threads' writes to ``rt.inflight``: compare, then delete
 
 
 def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None,

@@ -41,12 +41,19 @@ def test_sigterm_drains_then_gives_back_at_once(workers):
     jobs = client.store.jobs(batch_id)
     assert not [j for j in jobs if j.status == RUNNING]  # nothing waits for a lease to expire
     drained = [j for j in jobs if j.attempts == 1]
-    assert drained and all(j.status == QUEUED and j.attempts_forgiven == 1 for j in drained)
+    assert drained and all(j.status == QUEUED and j.attempts_forgiven == 1 for j in drained), \
+        ([(j.status, j.attempts_forgiven, j.error) for j in jobs], first_log_lines(workers.logs()))
     assert all("drained" in j.error for j in drained), [j.error for j in drained]
     workers.start()
     counts = client.wait(batch_id, timeout=180)
     assert counts[SUCCEEDED] == 8
     assert max(stored_results(workers.logs()).values()) == 1
+
+
+def first_log_lines(logs: str, limit: int = 60) -> list[str]:
+    """The workers' log lines that say what happened to jobs, for a failing assertion's message."""
+    keep = ("given back", "stored", "crashed", "drain", "Traceback", "Error", "died", "shutdown")
+    return [line[:240] for line in logs.splitlines() if any(k in line for k in keep)][:limit]
 
 
 def run_through_outage(settings: Settings, tmp_path, name: str, outage, after=lambda: None) -> str:

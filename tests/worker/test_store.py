@@ -198,8 +198,8 @@ def test_one_heartbeat_thread_aborts_what_was_cancelled(db_url):
         assert beat.beat() == [] and aborted == []
         store.cancel(job_ids=["b"])
         assert beat.beat() == ["b"] and aborted == ["b#1"]
-        assert beat.untrack("b") == "cancelled or superseded"
-        assert beat.untrack("a") is None
+        assert beat.untrack("b", 1) == "cancelled or superseded"
+        assert beat.untrack("a", 1) is None
         assert beat.beat() == []  # nothing tracked any more
     finally:
         beat.stop()

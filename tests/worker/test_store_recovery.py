@@ -144,7 +144,7 @@ def test_a_refresh_for_a_superseded_attempt_never_aborts_the_attempt_that_replac
         def heartbeat_many(self, attempts):
             if attempts == {"x": first}:
                 assert store.give_back("x", first, "lease expired", forgive=False)
-                assert beat.untrack("x") is None  # attempt 1 ended (fenced)
+                assert beat.untrack("x", first) is None  # attempt 1 ended (fenced)
                 second = store.claim("x", worker="w", device="cpu", lease_s=60, max_attempts=5, queue="q").attempt
                 beat.track("x", second, f"x#{second}")
             return super().heartbeat_many(attempts)
@@ -161,6 +161,35 @@ def test_a_refresh_for_a_superseded_attempt_never_aborts_the_attempt_that_replac
         time.sleep(0.01)
         assert beat.beat() == []  # the new attempt's lease is refreshed: it is owned
         assert store.get_job("x").heartbeat_at > before
-        assert beat.untrack("x") is None  # its result will be stored as it is
+        assert beat.untrack("x", first + 1) is None  # its result will be stored as it is
+    finally:
+        beat.stop()
+
+
+def test_claiming_a_job_again_in_the_same_process_aborts_the_older_attempt_and_keeps_the_newer(db_url):
+    """The reaper re-queued a job whose attempt is still generating here (its heartbeats were
+    lost to an outage) and this process claimed it again: the old attempt is aborted and told
+    why; its end does not stop the new attempt's heartbeat (that once let the new lease expire)."""
+    from worker.heartbeat import Heartbeat
+
+    store = _store(db_url)
+    first = _running(store, "x")
+    aborted: list[str] = []
+    beat = Heartbeat(store, aborted.append, interval=3600)
+    try:
+        beat.track("x", first, f"x#{first}")
+        time.sleep(0.2)
+        assert [row["id"] for row in store.reap_expired(0.1, ["q"], max_attempts=5)] == ["x"]
+        second = store.claim("x", worker="w", device="cpu", lease_s=60, max_attempts=5, queue="q").attempt
+        beat.track("x", second, f"x#{second}")
+        assert aborted == [f"x#{first}"]
+        assert beat.untrack("x", first) == f"superseded by attempt {second} in this worker"
+        assert not store.finish("x", first, {"status": "succeeded"})  # and the fence refuses it anyway
+        before = store.get_job("x").heartbeat_at
+        time.sleep(0.01)
+        assert beat.beat() == []
+        assert store.get_job("x").heartbeat_at > before  # the new attempt is still refreshed
+        assert beat.untrack("x", second) is None
+        assert store.finish("x", second, {"status": "succeeded"})
     finally:
         beat.stop()
