@@ -181,6 +181,8 @@ class Runtime:
     pacer: Any = None  # the process's Pacer (worker processes only)
     metrics: Any = None  # the process's WorkerMetrics when SPECBATCH_METRICS_PORT is set
     draining: bool = False  # warm shutdown began: hand new messages back, give back what is left
+    drain_expired: bool = False  # the drain timeout passed: in-flight requests aborted, late ones too
+    inflight_lock: threading.Lock = field(default_factory=threading.Lock)
     dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
     group_slots: "JobSlots" = field(default_factory=lambda: JobSlots(group_slot_count()))
 
@@ -199,6 +201,33 @@ class Runtime:
             return lane_queue(self.queue, parse_priority(payload.get("priority")))
         except ValueError:
             return self.queue
+
+    def add_inflight(self, job_id: str, request_id: str) -> None:
+        """Record a request submitted for ``job_id``. One that reaches here after the drain
+        timeout's sweep (its task passed the draining check just before a SIGTERM, and the
+        sweep found nothing in flight) is aborted at once, as the sweep would have: otherwise it
+        ran to the end while the worker waited, instead of being given back."""
+        with self.inflight_lock:
+            self.inflight[job_id] = request_id
+            late = self.drain_expired
+        if late:
+            self.loop.abort(request_id)
+
+    def forget_inflight(self, job_id: str, request_id: str) -> None:
+        """This attempt is stored or given back; a newer attempt of its job (claimed again by this
+        process after a reaper re-queued it) stays recorded."""
+        with self.inflight_lock:
+            if self.inflight.get(job_id) == request_id:
+                del self.inflight[job_id]
+
+    def abort_inflight(self) -> list[str]:
+        """The drain timeout passed: abort every request in flight, and any submitted later."""
+        with self.inflight_lock:
+            self.drain_expired = True
+            items = list(self.inflight.items())
+        for _job_id, request_id in items:
+            self.loop.abort(request_id)
+        return [job_id for job_id, _ in items]
 
     def abort_jobs(self, job_ids: list[str]) -> list[str]:
         """Abort the given jobs if this process is generating them (cooperative cancel)."""
@@ -482,9 +511,8 @@ def _drain_on_shutdown(**_: Any) -> None:
         deadline = time.monotonic() + timeout
         while rt.inflight and time.monotonic() < deadline:
             time.sleep(0.05)
-        for job_id, request_id in list(rt.inflight.items()):
+        for job_id in rt.abort_inflight():
             log.warning("drain timeout: giving back %s", job_id)
-            rt.loop.abort(request_id)
 
     threading.Thread(target=give_back_after_timeout, name="specbatch-drain", daemon=True).start()
 

@@ -15,7 +15,6 @@ with a new message.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -246,8 +245,7 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
     except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc!r}", forgive=True), None
-    with _inflight_lock:
-        rt.inflight[job_id] = request_id
+    rt.add_inflight(job_id, request_id)
     rt.heartbeats(store, heartbeat_seconds()).track(job_id, attempt, request_id)  # one thread refreshes every lease
     return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + max_job_seconds())
 
@@ -317,7 +315,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                         values.update(status=FAILED, error="aborted", error_type="aborted")
                 if back is not None:
                     outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, back[0], forgive=back[1])
-                    forget_inflight(rt, r)
+                    rt.forget_inflight(r.job_id, r.request_id)
                     yield r.index, (outcome, None)
                     continue
                 to_store.append((r, values))
@@ -325,7 +323,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                 stored = with_db_retry("store result", lambda: store.finish_many(
                     [(r.job_id, r.attempt, values) for r, values in to_store]))
                 for (r, values), ok in zip(to_store, stored):
-                    forget_inflight(rt, r)
+                    rt.forget_inflight(r.job_id, r.request_id)
                     if ok:
                         log.info("job %s attempt %s stored: %s", r.job_id, r.attempt, values["status"])
                         yield r.index, (values["status"], values)
@@ -335,18 +333,7 @@ def wait_and_store(rt: runtime.Runtime, store,
     finally:
         for r in running:  # an error above: those not stored stay running; their leases expire
             heartbeat.untrack(r.job_id, r.attempt)
-            forget_inflight(rt, r)
-
-
-def forget_inflight(rt: runtime.Runtime, r: Running) -> None:
-    """This attempt is stored or given back; a newer attempt of its job (claimed again by this
-    process after a reaper re-queued it) stays in ``rt.inflight``."""
-    with _inflight_lock:
-        if rt.inflight.get(r.job_id) == r.request_id:
-            del rt.inflight[r.job_id]
-
-
-_inflight_lock = threading.Lock()  # the task threads' writes to ``rt.inflight``: compare, then delete
+            rt.forget_inflight(r.job_id, r.request_id)
 
 
 def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None,
