@@ -11,6 +11,13 @@ Every worker process runs one (beside its heartbeat, and once as it starts). Eac
   not copied.
 A dead worker's jobs are therefore back in the queue within lease + sweep interval. Duplicate
 messages are harmless: the claim lets one attempt run and drops the other copies.
+
+After this reaper could not reach the database, it reaps nothing until the database has been
+reachable for a whole lease: while it was away no worker could heartbeat, so every running
+lease looks expired though their workers are alive. Reaping them at once re-ran every job in
+flight and spent one of each job's attempts per outage (three outages longer than a lease
+failed every long job, "attempts exhausted", with no worker ever dead). A worker cut off from
+a database the reapers still reach keeps no such grace: its jobs are reaped after a lease.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import logging
 import threading
 import time
 from typing import Any
+
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from .config import env
 from .publish import publish_jobs, queued_job_ids
@@ -53,6 +62,10 @@ class Reaper:
         # Ids missing at the previous scan: only a job missing at two scans in a row is an
         # orphan (a message a live worker just popped is claimed long before the next scan).
         self._missing_before: set[str] = set()
+        # Since when (monotonic) this reaper has reached the database without a break; -inf
+        # until an outage is seen (a worker starting is not a database coming back).
+        self._reachable_since = float("-inf")
+        self._unreachable = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specbatch-reaper", daemon=True)
 
@@ -67,17 +80,31 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            try:
-                self.sweep()
-            except Exception:  # database or broker away: try again next interval
-                log.warning("reaper sweep failed", exc_info=True)
+            self.sweep_or_log()
             if self._stop.wait(self.interval):
                 return
+
+    def sweep_or_log(self) -> dict[str, int] | None:
+        """``sweep``, or None when the database or the broker is away (tried again next interval)."""
+        try:
+            return self.sweep()
+        except (OperationalError, InterfaceError):
+            self._unreachable = True
+            log.warning("reaper sweep failed: database unreachable", exc_info=True)
+        except Exception:
+            log.warning("reaper sweep failed", exc_info=True)
+        return None
 
     def sweep(self) -> dict[str, int]:
         """One pass: reap expired leases, re-publish lost messages; returns the counts."""
         self.store.worker_beat(self.worker)
-        reaped = self.store.reap_expired(self.lease_s, self.queues, self.max_attempts)
+        if self._unreachable:  # the database is back: give the live workers a lease to heartbeat
+            self._unreachable = False
+            self._reachable_since = time.monotonic()
+            log.warning("database reachable again: reaping resumes in %.0f s", self.lease_s)
+        reaped: list[dict[str, Any]] = []
+        if time.monotonic() - self._reachable_since >= self.lease_s:
+            reaped = self.store.reap_expired(self.lease_s, self.queues, self.max_attempts)
         if reaped:
             publish_jobs(self.app, reaped, self._queue_of)
             log.warning("reaped %d job(s) whose worker stopped heartbeating", len(reaped))

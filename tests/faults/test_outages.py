@@ -159,3 +159,40 @@ def test_cancelled_queued_job_never_runs(workers):
     row = client.store.get_job(job)
     assert row.status == CANCELLED and row.attempts == 0 and row.output_text is None
     assert f"job {job} skipped: already cancelled" in workers.logs()
+
+
+def test_the_reaper_gives_live_workers_a_lease_after_a_database_outage(pg_url, redis_url, unique_queue):
+    """While the database was away nobody could heartbeat: every lease looks expired when it
+    comes back. The reaper waits one lease before reaping, so a live worker's job is refreshed
+    (not re-run, not charged an attempt); a dead worker's job is still reaped after that lease."""
+    from worker.reaper import Reaper
+    from worker.store import job_row
+
+    url = make_url(pg_url)
+    proxy = TcpProxy(url.port or 5432)
+    proxied = url.set(port=proxy.port).render_as_string(hide_password=False)
+    Store(pg_url, auto_upgrade=True)
+    client = Client(broker_url=redis_url, database_url=proxied, model="m", queue=unique_queue)
+    store, lease = client.store, 2.0
+    for job_id in ("live", "dead"):
+        store.upsert_jobs([job_row(model="m", prompt="hi", id=job_id, queue=unique_queue)])
+        assert store.claim(job_id, worker="w", device="cpu", lease_s=lease, max_attempts=5, queue=unique_queue).ok
+    reaper = Reaper(store, client.app, [unique_queue], worker="t", lease_s=lease, max_attempts=5,
+                    interval=3600, grace_s=3600)
+    try:
+        assert reaper.sweep_or_log() == {"reaped": 0, "orphans": 0}
+        proxy.cut()
+        assert reaper.sweep_or_log() is None
+        time.sleep(lease + 0.5)  # both leases expire while nobody can write
+        proxy.restore()
+        assert reaper.sweep_or_log()["reaped"] == 0  # the database is back: a lease of grace
+        for _ in range(3):  # the live worker heartbeats again; the dead one never does
+            store.heartbeat_many({"live": 1})
+            time.sleep(lease / 2)
+        store.heartbeat_many({"live": 1})
+        assert reaper.sweep_or_log()["reaped"] == 1
+        live, dead = store.get_job("live"), store.get_job("dead")
+        assert live.status == RUNNING and live.attempts == 1
+        assert dead.status == QUEUED and "lease expired" in dead.error
+    finally:
+        proxy.close()
