@@ -4,7 +4,7 @@ Decode attention reads every cached K/V byte once and does little arithmetic, so
 merit is achieved memory bandwidth: bytes of KV read / time, as a fraction of the device's peak.
 For each batch x context length the script prints the time and bandwidth fraction of:
 
-- ``triton``: ``kernels.paged_attention_triton`` on a paged cache (shuffled blocks);
+- ``triton``: ``specbatch_kernels.paged_attention_triton`` on a paged cache (shuffled blocks);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous, unpadded-per-batch
   ``[B, Hkv, ctx, D]`` K/V (the no-paging baseline; every sequence has the same length here);
 - ``hf-paged``: transformers' ``paged|sdpa`` decode data path. Its ``PagedAttentionCache``
@@ -109,7 +109,7 @@ def runners(inp: dict, ctx: int) -> dict[str, Callable[[], torch.Tensor]]:
     """name -> a zero-argument call computing ``[B, H, D]`` decode attention."""
     import torch.nn.functional as F
 
-    from kernels.paged_attention import paged_attention_triton
+    from specbatch_kernels.paged_attention import paged_attention_triton
 
     args = (inp["query"], inp["k_cache"], inp["v_cache"], inp["block_tables"],
             inp["context_lens"], inp["query_start_loc"], inp["scale"])

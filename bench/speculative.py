@@ -32,13 +32,12 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.spec_workloads import GROUNDED, extraction_workload  # noqa: E402
 from bench.workload import long_tail_workload  # noqa: E402
 from engine import LLM, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.model_hub import DEFAULT_MODEL, resolve_model  # noqa: E402
+from engine.model_hub import DEFAULT_MODEL, load_causal_lm, resolve_model  # noqa: E402
 from engine.spec.adaptive import expected_speedup, expected_tokens  # noqa: E402
 
 
@@ -130,10 +129,9 @@ def section_grounded(base: LLM, hf, args) -> None:
 
 def fresh_copy(base: LLM):
     """The target's weights loaded again as plain modules (the engine's copy holds packed linears)."""
-    from transformers import AutoModelForCausalLM
 
     cfg = base.engine.config
-    return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=cfg.dtype).eval()
+    return load_causal_lm(cfg.model, dtype=cfg.dtype).eval()
 
 
 def packed(model, device: torch.device):
@@ -339,7 +337,7 @@ def main() -> None:
     sections = {s.strip() for s in args.sections.split(",")}
     start = time.perf_counter()
     if "1" in sections:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=base.engine.config.dtype).to(args.device).eval()
+        hf = load_causal_lm(path, dtype=base.engine.config.dtype).to(args.device).eval()
         section_grounded(base, hf, args)
         del hf
     if "2" in sections:

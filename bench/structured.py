@@ -33,7 +33,7 @@ from bench.machine import describe_machine
 from bench.spec_workloads import extraction_workload
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from engine.model_hub import DEFAULT_MODEL, resolve_model
+from engine.model_hub import DEFAULT_MODEL, load_causal_lm, resolve_model
 
 SCHEMA = {
     "type": "object",
@@ -142,11 +142,10 @@ def main() -> None:
 
     hf = tokenizer = compiled = None
     if not args.no_hf:
-        from transformers import AutoModelForCausalLM
 
         import xgrammar as xgr
 
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=engine.config.dtype).to(args.device).eval()
+        hf = load_causal_lm(path, dtype=engine.config.dtype).to(args.device).eval()
         tokenizer = engine.tokenizer
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=engine.vocab_size,
                                                   stop_token_ids=sorted(engine.eos_ids))

@@ -22,12 +22,12 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
 
 from bench.machine import matmul_flops, memory_bandwidth  # noqa: E402
 from bench.workload import long_tail_workload  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_hub import DEFAULT_MODEL, resolve_model  # noqa: E402
+from engine.model_hub import DEFAULT_MODEL, load_causal_lm, resolve_model  # noqa: E402
 
 
 def useful(tokens: list[int], max_tokens: int, eos: set[int]) -> int:
@@ -119,7 +119,7 @@ def main() -> None:
     convs, max_tokens = long_tail_workload(args.num_prompts, args.seed)
     prompts = [llm.engine.apply_chat_template(c) for c in convs]
     eos = llm.engine.eos_ids
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    hf = load_causal_lm(path, dtype=dtype).to(args.device).eval()
     params = sum(p.numel() for p in hf.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     print(f"model {args.model}: {params / 1e6:.1f}M params, {dtype}, device {args.device}, torch threads {torch.get_num_threads()}")
@@ -137,7 +137,7 @@ def main() -> None:
         print(f"HF generate, static B={args.hf_batch:<3d}    : {n:6d} useful tokens in {t:7.1f}s = {n / t:7.1f} tok/s "
               f"({frac:.0%} of computed slots useful)")
     if not args.skip_hf_continuous:
-        cb_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+        cb_model = load_causal_lm(path, dtype=dtype).to(args.device).eval()
         t, n = run_hf_continuous(cb_model, prompts, max_tokens, eos)
         results["hf_continuous"] = n / t
         print(f"HF continuous batching        : {n:6d} useful tokens in {t:7.1f}s = {n / t:7.1f} tok/s")

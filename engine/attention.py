@@ -3,7 +3,7 @@
 The runner flattens a whole step into one ragged sequence (batch dimension 1) and passes a
 ``PagedMetadata`` through the model's ``**kwargs``; transformers hands it to every attention
 layer, which writes the step's new K/V into their slots and attends over each sequence's
-blocks through ``kernels``. No causal mask is built: the kernels know the layout.
+blocks through ``specbatch_kernels``. No causal mask is built: the kernels know the layout.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-import kernels
+import specbatch_kernels
 
 ATTN_IMPLEMENTATION = "specbatch_paged"
 
@@ -53,8 +53,8 @@ def paged_attention_flat(
     fused decoder layers of ``engine.fused_layers``.
     """
     k_cache, v_cache = meta.kv_caches[layer_idx]
-    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend, all_valid=meta.slots_all_valid)
-    return kernels.paged_attention(
+    specbatch_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend, all_valid=meta.slots_all_valid)
+    return specbatch_kernels.paged_attention(
         q,
         k_cache,
         v_cache,

@@ -57,8 +57,16 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN has a bfloat16 path on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+    on an AVX2-only CPU its bfloat16 linear raises instead of computing."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_supported())
 
 
 def pack_linears(model: nn.Module) -> int:

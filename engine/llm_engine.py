@@ -30,7 +30,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
 from engine.step_recovery import StepRecovery
 from engine.token_bytes import TokenBytes
-from kernels import kernel_backend
+from specbatch_kernels import kernel_backend
 
 log = logging.getLogger(__name__)
 

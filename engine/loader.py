@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from engine.attention import ATTN_IMPLEMENTATION
 from engine.cpu_linear import can_pack, pack_linears
 from engine.fused_layers import fuse_decoder_layers
 from engine.memory import own_weights, release_freed_heap
-from engine.model_hub import resolve_model
+from engine.model_hub import load_causal_lm, resolve_model
 from engine.quantization import quantize_linears
 
 
@@ -31,7 +31,7 @@ def load_model(
     int8 ones (``engine.quantization``), each layer as soon as it is fused so peaks stay low.
     """
     path = resolve_model(model)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    hf_model = load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf_model = hf_model.to(device).eval().requires_grad_(False)
     pack = can_pack(device, dtype)

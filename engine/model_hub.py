@@ -30,6 +30,19 @@ def cache_dir() -> Path:
     return path
 
 
+def load_causal_lm(path: str, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` with Hugging Face's hub kernels off.
+
+    transformers >= 5.25 turns hub kernels on by default (``use_kernels``): layers are replaced
+    by kernels fetched from the hub at load time, which needs the network and makes the maths
+    depend on the machine. Every model we load (ours, the GGUF conversion, the benches' HF
+    peers) goes through here so loading is offline and the same everywhere.
+    """
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, use_kernels=False, **kwargs)
+
+
 def resolve_model(name_or_path: str) -> str:
     """A local directory transformers can load, or a hub id to hand to transformers as is."""
     path = Path(name_or_path).expanduser()
@@ -53,11 +66,11 @@ def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
         if (target / "config.json").exists():
             return target
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         folder, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = load_causal_lm(folder, gguf_file=name, dtype=torch.float32)
         # The loaded weights are already dequantised; without this the saved config claims GGUF.
         model.config.quantization_config = None
         if hasattr(model, "hf_quantizer"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-import kernels
+import specbatch_kernels
 from engine.attention import PagedMetadata
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
@@ -44,7 +44,7 @@ class ModelRunner:
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
-        self.backend = kernels.kernel_backend(self.device)
+        self.backend = specbatch_kernels.kernel_backend(self.device)
         self.num_blocks = self._num_blocks(max_model_len)
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [

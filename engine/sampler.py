@@ -2,7 +2,7 @@
 
 ``target_probs`` gives the exact distribution a request samples from at one position. A sampled
 token is ``argmax p / E`` over that distribution with noise ``E`` keyed by (seed, sample index,
-absolute position) (``kernels.counter_rng``), so it depends on the distribution and those
+absolute position) (``specbatch_kernels.counter_rng``), so it depends on the distribution and those
 coordinates only: a seeded request draws the same tokens alone, inside any batch, with any
 speculation, on any worker and on retry. Verification samples the target's rows the same way
 and accepts a draft iff it equals the sampled token; a draft model drafts with the same noise.
@@ -17,9 +17,9 @@ import secrets
 
 import torch
 
-import kernels
+import specbatch_kernels
 from engine.sequence import Sequence
-from kernels.counter_rng import SAMPLE, keys_tensor, row_key
+from specbatch_kernels.counter_rng import SAMPLE, keys_tensor, row_key
 
 
 @dataclass(slots=True)
@@ -224,7 +224,7 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, keys: list[int]) -> list[int]:
         """``argmax p / E`` per row with the counter-based noise of ``keys``."""
-        return kernels.coupled_sample(probs, keys_tensor(keys, probs.device), backend=self.backend).tolist()
+        return specbatch_kernels.coupled_sample(probs, keys_tensor(keys, probs.device), backend=self.backend).tolist()
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: list[int], num: list[int | None]) -> list[dict[int, float] | None]:

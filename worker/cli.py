@@ -186,17 +186,27 @@ def _follow(client, reader, writer, name: str, started: float, worker, timeout: 
                 writer.pump()
                 return sub
             if worker is not None:
-                if not worker.keep_alive():
+                if not _keep_local_worker(worker):
                     raise click.ClickException(
-                        f"the local worker exited with {worker.proc.returncode} after {worker.restarts} restarts; "
-                        f"see {worker.log_path}")
+                        f"the local worker exited with {worker.last_exit} after {worker.restarts} restarts: "
+                        f"{worker.exit_cause() or 'no cause logged'}; see {worker.log_path}")
                 if worker.restarts > restarts_seen:
                     restarts_seen = worker.restarts
-                    console.print(f"[yellow]the local worker exited with {worker.proc.returncode}[/]; "
-                                  f"restarted ({worker.restarts}); see {worker.log_path}")
+                    console.print(f"[yellow]the local worker exited with {worker.last_exit}[/]; "
+                                  f"restarted ({worker.restarts}); see {worker.log_path}", soft_wrap=True)
             if timeout is not None and time.time() - started > timeout:
                 raise click.ClickException(f"timed out after {timeout} s with {prog['queued'] + prog['running']} jobs left")
             time.sleep(max(0.25, 4 * (time.perf_counter() - t0)))  # a slow poll (a huge batch) waits longer
+
+
+def _keep_local_worker(worker) -> bool:
+    """``LocalWorker.keep_alive``, with a permanent exit turned into the user's error line."""
+    from .local import WorkerCannotStart
+
+    try:
+        return worker.keep_alive()
+    except WorkerCannotStart as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _print_summary(store, batch_id: str, started: float, out: Path | None, n_lines: int | None) -> None:
@@ -316,8 +326,9 @@ def _wait_job(client, job_id: str, wait_s: float, worker, hint: str) -> None:
             return
         except TimeoutError:
             pass
-        if worker is not None and not worker.keep_alive():
-            raise click.ClickException(f"the local worker exited with {worker.proc.returncode}; see {worker.log_path}")
+        if worker is not None and not _keep_local_worker(worker):
+            raise click.ClickException(f"the local worker exited with {worker.last_exit}: "
+                                       f"{worker.exit_cause() or 'no cause logged'}; see {worker.log_path}")
         if time.monotonic() >= deadline:
             status = client.store.get_job(job_id).status
             advice = "" if worker is not None else f"; is a worker running? (`{hint}`)"

@@ -16,8 +16,18 @@ import uuid
 from pathlib import Path
 
 from .config import Settings
+from .exit_codes import PERMANENT_EXITS, exit_cause
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class WorkerCannotStart(RuntimeError):
+    """The local worker left with a permanent exit: restarting it would fail the same way."""
+
+    def __init__(self, code: int, cause: str | None, log_path: str | None):
+        self.code, self.cause, self.log_path = code, cause, log_path
+        where = f"; log: {log_path}" if log_path else ""
+        super().__init__(f"the local worker cannot start (exit {code}): {cause or 'no cause logged'}{where}")
 
 
 class LocalWorker:
@@ -45,6 +55,7 @@ class LocalWorker:
         self._cmd, self._env = cmd, env
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.restarts = 0
+        self.last_exit: int | None = None  # the code of the last exit seen (the process may be restarted since)
         self._next_start = 0.0
         self.proc = self._spawn()
 
@@ -55,11 +66,25 @@ class LocalWorker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exit_cause(self) -> str | None:
+        """The cause the worker logged with its last exit, one line (None without a log)."""
+        if not self.log_path:
+            return None
+        try:
+            return exit_cause(Path(self.log_path).read_text(errors="replace"))
+        except OSError:
+            return None
+
     def keep_alive(self, max_restarts: int = 10) -> bool:
         """Restart the worker if it exited, with exponential backoff (1, 2, 4 … 30 s), as a
-        supervisor would; False once it has been restarted ``max_restarts`` times."""
+        supervisor would; False once it has been restarted ``max_restarts`` times. A permanent
+        exit (the engine cannot be built here) raises ``WorkerCannotStart`` at once: trying
+        again would only hide its cause for minutes."""
         if self.alive:
             return True
+        self.last_exit = self.proc.returncode
+        if self.last_exit in PERMANENT_EXITS:
+            raise WorkerCannotStart(self.last_exit, self.exit_cause(), self.log_path)
         now = time.monotonic()
         if self._next_start == 0.0:
             if self.restarts >= max_restarts:

@@ -1,8 +1,10 @@
 """Schema migrations, run programmatically so ``specbatch db upgrade`` works from any
-directory of an editable install (the ``migrations/`` folder sits beside ``worker/``)."""
+directory, from an editable install and from a wheel: the repository's ``migrations/`` folder is
+installed as the package ``specbatch_migrations`` (see pyproject.toml), found here by import."""
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 from alembic import command
@@ -11,16 +13,24 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, text
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 #: Any fixed 64-bit number; PostgreSQL workers starting together migrate one at a time.
 _PG_LOCK_KEY = 0x5BEC_BA7C
 
 
+def migrations_dir() -> Path:
+    """The installed ``specbatch_migrations`` package's folder (a wheel's or the repository's)."""
+    spec = find_spec("specbatch_migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the specbatch_migrations package is not installed; install specbatch with pip")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / "env.py").exists():
+        raise RuntimeError(f"specbatch_migrations at {folder} holds no env.py: a broken install")
+    return folder
+
+
 def alembic_config() -> Config:
-    if not (MIGRATIONS_DIR / "env.py").exists():
-        raise RuntimeError(f"migrations folder not found at {MIGRATIONS_DIR}; install with `pip install -e .`")
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("script_location", str(migrations_dir()))
     return cfg
 
 

@@ -21,16 +21,16 @@ from typing import Any
 from celery import signals
 
 from .config import database_url_from_env, env, model_from_env, queue_name
+from .exit_codes import (
+    EXIT_ENGINE_BUILD_FAILED,
+    EXIT_ENGINE_DIED,
+    EXIT_METRICS_PORT,
+    EXIT_STOP_HUNG,
+    EXIT_STORE_UNREACHABLE,
+)
 from .lanes import lane_queue, lane_queues, parse_priority
 
 log = logging.getLogger(__name__)
-
-#: Exit codes a supervisor sees (all non-zero, so systemd/Kubernetes/compose restart us).
-EXIT_ENGINE_BUILD_FAILED = 3
-EXIT_ENGINE_DIED = 4
-EXIT_STORE_UNREACHABLE = 5
-EXIT_STOP_HUNG = 6  # a stop (e.g. Celery's "Unrecoverable error" after a broker loss) never finished
-EXIT_METRICS_PORT = 7  # --metrics-port could not be bound (taken: one port per worker process)
 
 
 _pinned_slot: str | None = None  # the CPU slot this process is bound to, once pinned

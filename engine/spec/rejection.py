@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.counter_rng import exponentials, keys_tensor, uniforms
+from specbatch_kernels.counter_rng import exponentials, keys_tensor, uniforms
 
 
 def accept_prefix(sampled: list[int], drafts: list[int]) -> tuple[list[int], int]:

@@ -21,7 +21,7 @@ from engine.spec.calibration import DRAFT_LAYOUTS, TARGET_LAYOUTS, time_layouts
 from engine.spec.config import MAX_SPEC_TOKENS, SpeculativeConfig
 from engine.spec.proposer import EMPTY, Proposer
 from engine.spec.rejection import accept_prefix, sample_rejection
-from kernels.counter_rng import ACCEPT, RESAMPLE
+from specbatch_kernels.counter_rng import ACCEPT, RESAMPLE
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.cpu_linear import PackedLinear, pack_linears
+from engine.cpu_linear import PackedLinear, can_pack, onednn_bf16_supported, pack_linears
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_bf16_supported(),
+    reason="oneDNN's bfloat16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks")
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -40,11 +44,22 @@ def test_forward_add_is_the_residual_plus_the_linear_bit_for_bit(bias, rows):
     assert torch.equal(residual, kept)
 
 
-def test_forward_add_keeps_two_roundings_in_bfloat16_and_takes_strided_residuals():
+def test_bfloat16_is_packed_only_where_onednn_computes_it():
+    """An AVX2-only CPU keeps bfloat16 linears as torch's (packing them would raise at the first step)."""
+    assert can_pack(torch.device("cpu"), torch.bfloat16) == onednn_bf16_supported()
+    assert can_pack(torch.device("cpu"), torch.float32)
+
+
+@needs_onednn_bf16
+def test_forward_add_keeps_two_roundings_in_bfloat16():
     torch.manual_seed(0)
     packed = PackedLinear(nn.Linear(96, 200).to(torch.bfloat16))
     x, residual = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(4, 200, dtype=torch.bfloat16)
     assert torch.equal(packed.forward_add(x, residual), residual + packed(x))
+
+
+def test_forward_add_takes_strided_residuals():
+    torch.manual_seed(0)
     packed32 = PackedLinear(nn.Linear(96, 200))
     strided_residual = torch.randn(4, 400)[:, ::2]
     strided_x = torch.randn(96, 4).t()

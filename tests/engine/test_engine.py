@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.model_hub import load_causal_lm
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def llm(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return load_causal_lm(tiny_model_dir, dtype=torch.float32).eval()
 
 
 PROMPTS = ["hello world", "a", "the quick brown fox jumps over the lazy dog " * 3, "0123456789", "zz top", "é"]

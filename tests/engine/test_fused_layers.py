@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3
 
 from engine import LLM, SamplingParams
 from engine.fused_layers import FusedDecoderLayer
+from engine.model_hub import load_causal_lm
 from engine.testing import make_byte_tokenizer, make_tiny_model
 from tests.engine.test_parity import assert_teacher_forced_match, capture_logits
 
@@ -65,5 +66,5 @@ def test_engine_logits_match_transformers(tmp_path, family, fused, switch):
     prompts = [list(range(40, 40 + n)) for n in (5, 23, 37)]  # longer than the window, chunked by 16
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
 
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = load_causal_lm(path, dtype=torch.float32, attn_implementation="eager").eval()
     assert assert_teacher_forced_match(reference, outs, records, tol=1e-4) == 3 * 12

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
+from engine.model_hub import load_causal_lm
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ LOGIT_TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def hf(smollm2_dir):
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return load_causal_lm(smollm2_dir, dtype=torch.float32).eval()
 
 
 def variant(smol_llm: LLM, **overrides) -> LLM:

@@ -17,7 +17,7 @@ import redis
 from tests.faults.conftest import engine_pid, stored_results, wait_until
 from worker.client import Client
 from worker.models import FAILED, QUEUED, SUCCEEDED
-from worker.runtime import EXIT_ENGINE_BUILD_FAILED, EXIT_ENGINE_DIED
+from worker.exit_codes import EXIT_ENGINE_BUILD_FAILED, EXIT_ENGINE_DIED
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,9 +19,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import _triton_attention as ta  # noqa: E402
-from kernels import _triton_cache as tc  # noqa: E402
-from kernels import _triton_sampling as ts  # noqa: E402
+from specbatch_kernels import _triton_attention as ta  # noqa: E402
+from specbatch_kernels import _triton_cache as tc  # noqa: E402
+from specbatch_kernels import _triton_sampling as ts  # noqa: E402
 
 INDEX_PTRS = {
     "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",

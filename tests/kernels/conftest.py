@@ -1,7 +1,7 @@
 """Kernel tests run the Triton kernels through the CPU interpreter unless told otherwise.
 
-``TRITON_INTERPRET`` is read when ``@triton.jit`` runs, i.e. when ``kernels._triton_*`` is first
-imported, so it is set here, before any test module imports them (``import kernels`` alone
+``TRITON_INTERPRET`` is read when ``@triton.jit`` runs, i.e. when ``specbatch_kernels._triton_*`` is first
+imported, so it is set here, before any test module imports them (``import specbatch_kernels`` alone
 does not import Triton). ``SPECBATCH_TEST_DEVICE=cuda`` (``bench/gpu_check.sh``) runs the same
 tests compiled on the GPU instead.
 """

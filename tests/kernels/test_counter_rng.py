@@ -9,7 +9,7 @@ from scipy.stats import chi2_contingency, chisquare
 
 from engine.sampler import SampleRow, Sampler
 from engine.sampling_params import SamplingParams
-from kernels.counter_rng import GOLDEN, MASK64, keys_tensor, mix64, random_bits, row_key, uniforms
+from specbatch_kernels.counter_rng import GOLDEN, MASK64, keys_tensor, mix64, random_bits, row_key, uniforms
 from tests.engine.fakes import make_seq
 
 BINS = 64

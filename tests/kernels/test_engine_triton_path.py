@@ -2,7 +2,7 @@
 tokens as through the torch references, and so does a seeded sampled one with n-gram
 speculation (the coupled sampling kernel samples every row, drafts' verification included).
 
-The engine picks its kernels once, from ``kernels.kernel_backend(device)`` when the model runner
+The engine picks its kernels once, from ``specbatch_kernels.kernel_backend(device)`` when the model runner
 starts, so forcing ``SPECBATCH_KERNEL_BACKEND=triton`` before building ``LLM`` routes every
 ``write_kv`` and ``paged_attention`` call of the forward through our kernels.
 """
@@ -31,7 +31,7 @@ def _generate(model_dir, backend: str, monkeypatch, params=None, **engine_args) 
 
 
 def test_greedy_tokens_match_between_backends(tmp_path, monkeypatch):
-    from kernels import _triton_attention, _triton_cache
+    from specbatch_kernels import _triton_attention, _triton_cache
 
     model_dir = make_tiny_model(tmp_path / "tiny", logit_scale=4.0)  # sharp: no greedy near-ties
     want = _generate(model_dir, "torch", monkeypatch)
@@ -48,7 +48,7 @@ def test_greedy_tokens_match_between_backends(tmp_path, monkeypatch):
 
 
 def test_seeded_sampled_tokens_match_between_backends(tmp_path, monkeypatch):
-    from kernels import _triton_sampling
+    from specbatch_kernels import _triton_sampling
 
     model_dir = make_tiny_model(tmp_path / "flat", seed=1, logit_scale=0.5)  # flat: many tokens drawn
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=5, max_tokens=8, ignore_eos=True)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.cache_ops import write_kv_torch, write_kv_triton
+from specbatch_kernels.cache_ops import write_kv_torch, write_kv_triton
 from paged_cases import DEVICE, DTYPES, EXAMPLES
 
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None)

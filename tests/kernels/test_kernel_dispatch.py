@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import kernel_backend
+import specbatch_kernels
+from specbatch_kernels import kernel_backend
 from paged_cases import assert_close, make_case, spy
 
 
@@ -30,7 +30,7 @@ def test_backend_env_rejects_unknown(monkeypatch):
     with pytest.raises(ValueError, match="SPECBATCH_KERNEL_BACKEND"):
         kernel_backend("cpu")
     with pytest.raises(ValueError):
-        kernels.write_kv(backend="tritonn")
+        specbatch_kernels.write_kv(backend="tritonn")
 
 
 def _spy(monkeypatch, module, name: str) -> list[str]:
@@ -40,14 +40,14 @@ def _spy(monkeypatch, module, name: str) -> list[str]:
 
 
 def test_paged_attention_dispatch_runs_triton(monkeypatch):
-    from kernels import _triton_attention
+    from specbatch_kernels import _triton_attention
 
     decode = _spy(monkeypatch, _triton_attention, "decode")
     varlen = _spy(monkeypatch, _triton_attention, "varlen")
     for q_lens in ([1, 1], [4, 1]):
         case = make_case([20, 33], q_lens, seed=7)
-        want = kernels.paged_attention(*case.args(), backend="torch")
-        got = kernels.paged_attention(*case.args(), backend="triton")
+        want = specbatch_kernels.paged_attention(*case.args(), backend="torch")
+        got = specbatch_kernels.paged_attention(*case.args(), backend="triton")
         assert_close(got, want, torch.float32)
     assert decode == ["decode"] and varlen == ["varlen"]  # the wrapper's per-step choice
 
@@ -56,13 +56,13 @@ def test_triton_hints_are_accepted_by_both_backends():
     """The engine may pass host-side maxima on any backend; the torch path ignores them."""
     case = make_case([20, 33], [1, 1], seed=7)
     hints = dict(max_query_len=1, max_context_len=33)
-    want = kernels.paged_attention(*case.args(), backend="torch", **hints)
-    got = kernels.paged_attention(*case.args(), backend="triton", kv_split_len=16, **hints)
+    want = specbatch_kernels.paged_attention(*case.args(), backend="torch", **hints)
+    got = specbatch_kernels.paged_attention(*case.args(), backend="triton", kv_split_len=16, **hints)
     assert_close(got, want, torch.float32)
 
 
 def test_cache_dispatch_runs_triton(monkeypatch):
-    from kernels import _triton_cache
+    from specbatch_kernels import _triton_cache
 
     calls = [_spy(monkeypatch, _triton_cache, "write_kv")]
     case = make_case([20], [1], seed=2)
@@ -70,7 +70,7 @@ def test_cache_dispatch_runs_triton(monkeypatch):
     for backend in ("torch", "triton"):
         k, v = case.k_cache.clone(), case.v_cache.clone()
         new = torch.ones(2, *k.shape[2:], device=k.device)
-        kernels.write_kv(new, -new, k, v, torch.tensor([3, -1], device=k.device), backend=backend)
+        specbatch_kernels.write_kv(new, -new, k, v, torch.tensor([3, -1], device=k.device), backend=backend)
         results[backend] = (k, v)
     for want, got in zip(results["torch"], results["triton"]):
         assert torch.equal(got, want)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from specbatch_kernels.paged_attention import paged_attention_torch, paged_attention_triton
 from paged_cases import DTYPES, EXAMPLES, assert_close, context_len, layouts, make_case, window
 
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None)

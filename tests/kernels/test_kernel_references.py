@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.cache_ops import write_kv_torch
-from kernels.paged_attention import paged_attention_torch
+from specbatch_kernels.cache_ops import write_kv_torch
+from specbatch_kernels.paged_attention import paged_attention_torch
 from paged_cases import make_case
 
 

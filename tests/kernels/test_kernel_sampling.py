@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels.counter_rng import keys_tensor, row_key
-from kernels.sampling import coupled_sample_torch
+import specbatch_kernels
+from specbatch_kernels.counter_rng import keys_tensor, row_key
+from specbatch_kernels.sampling import coupled_sample_torch
 from paged_cases import DEVICE, EXAMPLES
 
 
@@ -38,13 +38,13 @@ def random_rows(seed: int, rows: int, vocab: int, dtype: torch.dtype) -> tuple[t
     block_v=st.sampled_from([16, 2048]),
 )
 def test_triton_matches_reference(seed, rows, vocab, dtype, block_v):
-    from kernels import _triton_sampling
+    from specbatch_kernels import _triton_sampling
 
     probs, keys = random_rows(seed, rows, vocab, dtype)
     want = coupled_sample_torch(probs, keys)
     got = _triton_sampling.coupled_sample(probs, keys, block_v=block_v)  # 16: many vocab chunks
     assert torch.equal(got, want)
-    assert torch.equal(kernels.coupled_sample(probs, keys, backend="triton"), want)
+    assert torch.equal(specbatch_kernels.coupled_sample(probs, keys, backend="triton"), want)
     assert bool((probs.float()[torch.arange(rows), want] > 0).all())  # never a token outside the support
 
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM
 
+from engine.model_hub import load_causal_lm
 from engine.sampler import SampleRow, filter_and_normalise
 from engine.sampling_params import SamplingParams
 from engine.spec.rejection import accept_greedy, accept_prefix, accept_resample, sample_rejection
 from engine.testing import make_tiny_model
-from kernels.counter_rng import ACCEPT, RESAMPLE, keys_tensor, row_key
-from kernels.sampling import coupled_sample_torch
+from specbatch_kernels.counter_rng import ACCEPT, RESAMPLE, keys_tensor, row_key
+from specbatch_kernels.sampling import coupled_sample_torch
 from tests.engine.fakes import make_seq
 
 
@@ -65,7 +65,7 @@ def contexts(tmp_path_factory):
     ctx = list(b"spec")
     out = []
     for path in (target_dir, draft_dir):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = load_causal_lm(path, dtype=torch.float32).eval()
         vocab = model.config.vocab_size
         with torch.no_grad():
             first = model(torch.tensor([ctx])).logits[0, -1]

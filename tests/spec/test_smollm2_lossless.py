@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
+from engine.model_hub import load_causal_lm
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,6 @@ def top2_gap(model, ids: list[int]) -> float:
     ids=["ngram", "suffix", "draft", "ngram-auto"],
 )
 def test_greedy_equals_non_speculative(smol_llm, smollm2_dir, prompts, reference, config):
-    from transformers import AutoModelForCausalLM
 
     if config["method"] == "draft":
         config = {**config, "draft_model": smollm2_dir}
@@ -71,7 +71,7 @@ def test_greedy_equals_non_speculative(smol_llm, smollm2_dir, prompts, reference
             continue
         i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
         if hf is None:
-            hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+            hf = load_causal_lm(smollm2_dir, dtype=torch.float32).eval()
         gap = top2_gap(hf, prompt + want[:i])
         assert gap < NEAR_TIE, f"diverged at output token {i} where the top-2 logit gap is {gap:.2e}"
     if "num_speculative_tokens" in config:

@@ -28,9 +28,10 @@ import torch
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
+from engine.model_hub import load_causal_lm
 from engine.sampler import SampleRow, noise_keys
-from kernels.counter_rng import keys_tensor
-from kernels.sampling import noised_scores_torch
+from specbatch_kernels.counter_rng import keys_tensor
+from specbatch_kernels.sampling import noised_scores_torch
 
 pytestmark = pytest.mark.slow
 
@@ -126,10 +127,10 @@ class Tally:
 @pytest.fixture(scope="module")
 def perturbed_draft_dir(smollm2_dir, tmp_path_factory) -> str:
     """The target with 5% relative Gaussian noise on every weight: close to it, often but not always right."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("perturbed")
-    draft = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    draft = load_causal_lm(smollm2_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in draft.parameters():

@@ -243,7 +243,7 @@ def paged_attention_triton(
     All index tensors are read through pointers: any integer dtype works, but they must be on
     ``query``'s device; non-contiguous ones are copied first.
     """
-    from kernels import _triton_attention as ta  # lazy: see the module docstring
+    from specbatch_kernels import _triton_attention as ta  # lazy: see the module docstring
 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     batch = context_lens.shape[0]

@@ -1,6 +1,6 @@
-"""Triton kernel for coupled sampling (see ``kernels.sampling`` and ``kernels.counter_rng``).
+"""Triton kernel for coupled sampling (see ``specbatch_kernels.sampling`` and ``specbatch_kernels.counter_rng``).
 
-Imported lazily, like the other ``kernels._triton_*`` modules. The noise is generated in the
+Imported lazily, like the other ``specbatch_kernels._triton_*`` modules. The noise is generated in the
 kernel from the row key (no ``[R, V]`` noise tensor in memory), with the same SplitMix64 bits,
 the same float64 ``-log(u)`` and the same float64 division as the torch reference.
 """

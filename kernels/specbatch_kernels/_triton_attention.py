@@ -1,8 +1,8 @@
-"""Triton kernels for paged attention (see ``kernels.paged_attention`` for the semantics).
+"""Triton kernels for paged attention (see ``specbatch_kernels.paged_attention`` for the semantics).
 
-Kept apart from ``kernels.paged_attention`` on purpose: ``@triton.jit`` decides between compiled
+Kept apart from ``specbatch_kernels.paged_attention`` on purpose: ``@triton.jit`` decides between compiled
 and interpreted mode (``TRITON_INTERPRET=1``) when the decorator runs, so this module is
-imported only when the Triton path is first used, never as a side effect of ``import kernels``.
+imported only when the Triton path is first used, never as a side effect of ``import specbatch_kernels``.
 
 Two kernels plus one reduction:
 

@@ -1,7 +1,7 @@
 """Coupled sampling: each row's token is ``argmax_v p_v / E_v`` with counter-based noise.
 
 ``E_v`` is Exp(1) noise that is a pure function of the row's key (seed, sample index, absolute
-position; see ``kernels.counter_rng``) and the token ``v``, so a row's token depends on its
+position; see ``specbatch_kernels.counter_rng``) and the token ``v``, so a row's token depends on its
 distribution and its coordinates only: the same alone or in any batch, with or without
 speculation, on any worker. The exponential race draws exactly from ``p``; zero-probability
 tokens never win. Verification samples every target row this way and accepts a draft iff it
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.counter_rng import exponentials
+from specbatch_kernels.counter_rng import exponentials
 
 
 def noised_scores_torch(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ def coupled_sample_torch(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tenso
 
 
 def coupled_sample_triton(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Triton ``coupled_sample_torch``: one program per row (see ``kernels._triton_sampling``)."""
-    from kernels import _triton_sampling
+    """Triton ``coupled_sample_torch``: one program per row (see ``specbatch_kernels._triton_sampling``)."""
+    from specbatch_kernels import _triton_sampling
 
     return _triton_sampling.coupled_sample(probs, keys)

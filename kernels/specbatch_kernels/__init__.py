@@ -5,7 +5,7 @@ computes) and, where Triton runs, a Triton kernel. ``kernel_backend`` picks one 
 ``SPECBATCH_KERNEL_BACKEND=torch|triton`` overrides the choice.
 
 Dispatchers: ``paged_attention``, ``write_kv`` and ``coupled_sample``, each taking
-``backend=``. The Triton kernels live in ``kernels._triton_*``
+``backend=``. The Triton kernels live in ``specbatch_kernels._triton_*``
 and are imported on first use only, so ``TRITON_INTERPRET=1`` (the CPU interpreter, used by
 the tests) takes effect as long as it is set before the first Triton call.
 """
@@ -16,9 +16,9 @@ import os
 
 import torch
 
-from kernels.cache_ops import write_kv_torch
-from kernels.paged_attention import paged_attention_torch
-from kernels.sampling import coupled_sample_torch
+from specbatch_kernels.cache_ops import write_kv_torch
+from specbatch_kernels.paged_attention import paged_attention_torch
+from specbatch_kernels.sampling import coupled_sample_torch
 
 BACKENDS = ("torch", "triton")
 TRITON_HINTS = ("max_query_len", "max_context_len", "kv_split_len")
@@ -42,14 +42,14 @@ def _check(backend: str) -> None:
 
 
 def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
-    """Dispatch to the chosen implementation of paged attention (see ``kernels.paged_attention``).
+    """Dispatch to the chosen implementation of paged attention (see ``specbatch_kernels.paged_attention``).
 
     The Triton-only hints (``max_query_len``, ``max_context_len``, ``kv_split_len``) and the
     torch-only ``plan_cache`` may be passed on any backend; the other one ignores them.
     """
     _check(backend)
     if backend == "triton":
-        from kernels.paged_attention import paged_attention_triton
+        from specbatch_kernels.paged_attention import paged_attention_triton
 
         for hint in TORCH_HINTS:
             kwargs.pop(hint, None)
@@ -60,14 +60,14 @@ def paged_attention(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
 
 
 def write_kv(*args, backend: str = "torch", **kwargs) -> None:
-    """Dispatch to the chosen implementation of the KV-cache write (see ``kernels.cache_ops``).
+    """Dispatch to the chosen implementation of the KV-cache write (see ``specbatch_kernels.cache_ops``).
 
     The torch-only hint ``all_valid`` may be passed on any backend (Triton skips padding slots
     in the kernel and ignores it).
     """
     _check(backend)
     if backend == "triton":
-        from kernels.cache_ops import write_kv_triton
+        from specbatch_kernels.cache_ops import write_kv_triton
 
         for hint in TORCH_WRITE_HINTS:
             kwargs.pop(hint, None)
@@ -76,10 +76,10 @@ def write_kv(*args, backend: str = "torch", **kwargs) -> None:
 
 
 def coupled_sample(*args, backend: str = "torch", **kwargs) -> torch.Tensor:
-    """Dispatch the seeded sampling step (see ``kernels.sampling``)."""
+    """Dispatch the seeded sampling step (see ``specbatch_kernels.sampling``)."""
     _check(backend)
     if backend == "triton":
-        from kernels.sampling import coupled_sample_triton
+        from specbatch_kernels.sampling import coupled_sample_triton
 
         return coupled_sample_triton(*args, **kwargs)
     return coupled_sample_torch(*args, **kwargs)

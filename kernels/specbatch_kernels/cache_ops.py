@@ -39,7 +39,7 @@ def write_kv_torch(
 
 
 # Triton versions: same semantics as the references above. The kernels live in
-# ``kernels._triton_cache``, imported on first use (see that module's docstring).
+# ``specbatch_kernels._triton_cache``, imported on first use (see that module's docstring).
 
 
 def write_kv_triton(
@@ -50,6 +50,6 @@ def write_kv_triton(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Triton ``write_kv_torch``: one program per token, padding slots (-1) skipped in-kernel."""
-    from kernels import _triton_cache
+    from specbatch_kernels import _triton_cache
 
     _triton_cache.write_kv(key, value, k_cache, v_cache, slot_mapping)

@@ -1,7 +1,7 @@
-"""Triton kernels for the KV-cache operations (see ``kernels.cache_ops`` for the semantics).
+"""Triton kernels for the KV-cache operations (see ``specbatch_kernels.cache_ops`` for the semantics).
 
-Imported lazily, like ``kernels._triton_attention``, so that ``TRITON_INTERPRET`` is read when
-the Triton path is first used rather than at ``import kernels``.
+Imported lazily, like ``specbatch_kernels._triton_attention``, so that ``TRITON_INTERPRET`` is read when
+the Triton path is first used rather than at ``import specbatch_kernels``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Alembic revisions, oldest first (imported by Alembic by file, not by name)."""
