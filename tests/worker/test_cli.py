@@ -100,3 +100,24 @@ def test_run_with_speculation_records_drafts(tmp_path, redis_url, unique_queue):
     assert sum(r["specbatch"]["num_draft_tokens"] for r in rows) > 0
     assert sum(r["specbatch"]["num_accepted_tokens"] for r in rows) > 0
     assert "draft acceptance" in res.stdout + res.stderr
+
+
+def test_run_whose_engine_cannot_be_built_fails_at_once_with_its_cause(tmp_path, redis_url, unique_queue):
+    """A deterministic start failure (exit 3) is not restarted ten times over minutes: the
+    cause itself, exception type and message, is on the user's terminal, with the log named."""
+    import torch
+
+    from engine.testing import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "tiny"))
+    # No CUDA here: cuda:0 cannot be built; on a GPU machine, a device index past the last.
+    device = "cuda:0" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count() + 7}"
+    src, out, env, servers = setup_run(tmp_path, redis_url, unique_queue, [chat("a", "hello", max_tokens=4)])
+    res = run_cli([*servers, "run", str(src), "-o", str(out), "--model", model, "--device", device], env, tmp_path)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    said = " ".join((res.stdout + res.stderr).split())
+    assert "the local worker cannot start (exit 3): engine could not be built:" in said, said[-3000:]
+    assert "Error(" in said and str(tmp_path / "worker.log") in said, said[-3000:]  # e.g. RuntimeError('…')
+    assert "restarted" not in said
+    log = (tmp_path / "worker.log").read_text()
+    assert log.count("worker exiting with 3") == 1, log[-3000:]  # one start, no restarts
