@@ -150,6 +150,7 @@ def timed(stage: Stage, fn: Callable[[], Any], reps: int) -> float:
 def kernels(stage: Stage) -> None:
     """The kernel tests and the decode-graph test, Triton compiled for the GPU (no interpreter)."""
     env = dict(os.environ)
+    env.pop("SPECBATCH_KERNEL_BACKEND", None)  # the tests choose their kernels themselves
     if stage.dry:
         env["TRITON_INTERPRET"] = "1"
         targets = ["tests/kernels/test_kernel_dispatch.py"]
@@ -303,6 +304,7 @@ def throughput(stage: Stage) -> None:
             from engine.decode_graphs import DecodeGraphs
 
             captured = DecodeGraphs(engine.runner, max(batches), engine.max_model_len, static=True)
+        held = True
         for mode, graphs in (("graphs", captured), ("eager", None)):
             engine.runner.graphs = graphs
             for b in batches:
@@ -311,7 +313,12 @@ def throughput(stage: Stage) -> None:
                 ms = decode_ms(engine, random_prompts(b, prompt_len, shape.vocab, seed=b), steps)
                 record.setdefault(mode, {})[b] = ms
                 stage.save()
+            held = held and (graphs is None or engine.runner.graphs is graphs)
+        # A failed capture drops the graphs for good (and logs why): then "graphs" figures were eager.
+        record["graphs_held"] = held
         engine.runner.graphs = captured
+        if not record["graphs_held"]:
+            stage.summary(f"{shape_name}: CUDA graphs were dropped (capture failed; see the log): 'graphs' ran eagerly")
         for b in batches:
             cells = [f"{m} {record[m][b]:.2f} ms ({record[m][b] / floor_ms:.1f}x)" if floor_ms else f"{m} {record[m][b]:.2f} ms"
                      for m in ("graphs", "eager", "hf_static") if b in record.get(m, {})]
@@ -397,6 +404,18 @@ def attention(stage: Stage) -> None:
             raise RuntimeError(f"paged attention differs from SDPA by {err} at batch {batch} ctx {ctx}")
 
 
+def precapture(llm) -> None:
+    """Capture every decode size now, so no capture lands inside a timed window (a batch that
+    shrinks as requests end would otherwise capture each smaller size while being timed)."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or graphs.static:
+        return
+    with torch.inference_mode():  # as when the engine's forward captures
+        for size in graphs.sizes:
+            if size not in graphs.graphs:
+                graphs._capture(size)
+
+
 # ------------------------------------------------------------------------ speculation
 def smollm2_for(stage: Stage):
     """(model, tokenizer, prompts-maker, label): the real SmolLM2 where present, else its shape."""
@@ -455,6 +474,7 @@ def speculation(stage: Stage) -> None:
             continue
         llm = base if cfg is None else variant(base, max_num_seqs=num, speculative_config=cfg)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        precapture(llm)
         stats = llm.engine.stats
         for key in list(stats):
             stats[key] = 0
@@ -540,7 +560,8 @@ def priority(stage: Stage) -> None:
             engine.step()
         return (bulk_done() - n0) / (time.perf_counter() - t0)
 
-    wave(False, "warm")  # graphs for the small batch sizes
+    precapture(llm)
+    wave(False, "warm")
     idle = wave(False, "idle")
     stage.put("idle_latency_s", idle)
     alone_before = bulk_alone(window_s)
