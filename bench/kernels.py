@@ -74,14 +74,15 @@ def peak_tbps(name: str, override: float | None) -> float | None:
 def make_inputs(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                 dtype: torch.dtype, device: str, seed: int = 0) -> dict:
     """A decode step: one query token per sequence, every sequence ``ctx`` tokens long."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the device itself: an 8k-context batch of 256 is gigabytes, minutes to draw on a CPU.
+    gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(torch.int32)
-    query = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    query = torch.randn(batch, heads, head_dim, generator=gen, device=device, dtype=dtype)
     return dict(
         query=query,
         k_cache=k_cache,

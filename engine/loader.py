@@ -32,9 +32,24 @@ def load_model(
     """
     path = resolve_model(model)
     hf_model = load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return prepare_model(hf_model, device, fuse_layers, quantization)
+
+
+def prepare_model(
+    hf_model: PreTrainedModel,
+    device: torch.device,
+    fuse_layers: bool = True,
+    quantization: str | None = None,
+) -> PreTrainedModel:
+    """An already-built transformers model made ready for the engine, in place (``load_model``'s
+    second half): our attention selected, moved to ``device``, layers fused, linears packed.
+
+    Why apart from loading: benchmarks build models whose weights never touch a disk (random
+    weights of a real shape, generated on the GPU) and hand them to ``LLMEngine(model=...)``.
+    """
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hf_model = hf_model.to(device).eval().requires_grad_(False)
-    pack = can_pack(device, dtype)
+    pack = can_pack(device, next(hf_model.parameters()).dtype)
 
     def convert(module: torch.nn.Module) -> None:
         if quantization is not None:
