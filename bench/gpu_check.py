@@ -50,9 +50,9 @@ for _path in (str(ROOT / "kernels"), str(ROOT)):
 PLAN: list[tuple[str, int, str]] = [
     ("prepare", 45, "carried wheels; the real SmolLM2 from GGUF parts"),
     ("probe", 20, "device; copy rate; matmul rate"),
-    ("kernels", 90, "kernel tests + decode-graph test, compiled"),
-    ("parity", 60, "greedy parity vs HF generate, fp32 and bf16"),
-    ("throughput", 140, "decode ms/step, graphs on/off, HF static, x floor"),
+    ("kernels", 150, "kernel tests + decode-graph test, compiled"),
+    ("parity", 70, "greedy parity vs HF generate, fp32 and bf16"),
+    ("throughput", 70, "decode ms/step, graphs on/off, HF static, x floor"),
     ("attention", 30, "paged decode attention vs copy rate"),
     ("speculation", 50, "batch 64: ngram, suffix vs none"),
     ("priority", 40, "interactive under bulk, shared steps"),

@@ -109,8 +109,22 @@ class DecodeGraphs:
                 self._forward(size)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(size)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(size)
+        except BaseException:
+            release_generator_after_failed_capture()
+            raise
         self.pool = graph.pool()
         self.graphs[size] = graph
         self.outputs[size] = out
+
+
+def release_generator_after_failed_capture() -> None:
+    """A capture that fails ends without its epilogue, leaving the default CUDA generator in
+    capture mode: every later random op on the device (a model's init, ``torch.rand``) then
+    raises "Offset increment outside graph capture encountered unexpectedly" (seen on an H200).
+    A trivial capture runs the prologue/epilogue pair again and takes the generator out of it."""
+    torch.cuda.synchronize()
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        pass

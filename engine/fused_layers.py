@@ -35,13 +35,15 @@ def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
     first = linears[0]
     has_bias = any(lin.bias is not None for lin in linears)
     out_features = sum(lin.out_features for lin in linears)
-    fused = nn.Linear(first.in_features, out_features, bias=has_bias, device=first.weight.device, dtype=first.weight.dtype)
+    # Built on the meta device, then given the concatenated weights: no random init (no time
+    # spent on it, and no use of the device's generator).
+    fused = nn.Linear(first.in_features, out_features, bias=has_bias, device="meta", dtype=first.weight.dtype)
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
         if has_bias:
-            fused.bias.copy_(
-                torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears])
-            )
+            fused.bias = nn.Parameter(
+                torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears]),
+                requires_grad=False)
     return fused.requires_grad_(False)
 
 

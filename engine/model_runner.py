@@ -55,7 +55,9 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         self.graphs: DecodeGraphs | None = None
-        if config.decode_capture and self.device.type == "cuda":
+        # Only the Triton kernels are capturable: the torch reference path plans its attention on
+        # the host (reads lengths back), which invalidates a capture (seen on an H200).
+        if config.decode_capture and self.device.type == "cuda" and self.backend == "triton":
             self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len)
 
     @property

@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(_ROOT / "kernels"), str(_ROOT)]  # specbatch_kernels from the checkout, installed or not
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
