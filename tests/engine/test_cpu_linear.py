@@ -65,3 +65,21 @@ def test_forward_add_takes_strided_residuals():
     strided_x = torch.randn(96, 4).t()
     assert not strided_residual.is_contiguous() and not strided_x.is_contiguous()
     assert torch.equal(packed32.forward_add(strided_x, strided_residual), strided_residual + packed32(strided_x))
+
+
+def test_a_bfloat16_engine_runs_where_onednn_has_no_bfloat16(tiny_model_dir):
+    """An AVX2-only CPU, as oneDNN sees it (``ONEDNN_MAX_CPU_ISA=AVX2`` caps its instruction set
+    even on an AVX-512 machine): a bfloat16 engine keeps torch's linears and generates, instead
+    of failing at the first packed weight ("bf16 path needs the cpu support avx_ne_convert …")."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from engine import LLM, SamplingParams; from engine.cpu_linear import onednn_bf16_supported\n"
+            "assert not onednn_bf16_supported()\n"
+            "out = LLM(sys.argv[1], device='cpu', dtype='bfloat16', max_num_seqs=2).generate(['hello'], "
+            "SamplingParams(temperature=0, max_tokens=4))\n"
+            "print(len(out[0].outputs[0].token_ids))")
+    done = subprocess.run([sys.executable, "-c", code, tiny_model_dir], env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "4", done.stderr[-3000:]
