@@ -22,6 +22,8 @@ from rich.table import Table
 from .config import Settings, env, redact_url
 
 console = Console(stderr=True)
+#: ``status`` piped or written to a file fits this many columns (README's promise).
+STATUS_WIDTH = 80
 
 
 def _fmt(v, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
@@ -488,8 +490,8 @@ def status(ctx, batch, watch, interval, window):
     url = ctx.obj["database_url"] or database_url_from_env()
     store = Store(url)
     out = Console(soft_wrap=False)
-    if not out.is_terminal:  # a pipe or a file: wide enough that no table squeezes an id
-        out = Console(width=max(out.width, 160))
+    if not out.is_terminal:  # a pipe or a file: 80 columns (ids are never cut; other cells fold)
+        out = Console(width=STATUS_WIDTH)
     b = None
     if batch is not None:
         b = store.get_batch(batch)
@@ -497,11 +499,9 @@ def status(ctx, batch, watch, interval, window):
             job = store.get_job(batch)
             if job is None:
                 raise click.ClickException(f"no batch or job {batch!r}")
-            from .formats import output_line
+            from .job_view import job_status
 
-            click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
-                       else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts,
-                                        "worker": job.worker}))
+            click.echo(json.dumps(job_status(job, store.attempt_history(job.id)), indent=2))
             return  # stdout is the job's JSON alone (pipe it to jq)
     out.print(f"database {redact_url(url)}", soft_wrap=True)
     show(store, out, b, watch=out.is_terminal if watch is None else watch, interval=interval, window_s=window)

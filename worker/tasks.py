@@ -25,7 +25,7 @@ from celery.worker.control import control_command
 
 from . import runtime
 from .app import GROUP_TASK_NAME, TASK_NAME, app
-from .config import env, max_job_seconds, model_slug
+from .config import env, lease_seconds, max_job_seconds, model_slug
 from .dbretry import with_db_retry
 from .logprobs import Pieces, pack
 from .models import FAILED, SUCCEEDED
@@ -33,11 +33,6 @@ from .request import request_from_payload
 from .store import Claim
 
 log = logging.getLogger(__name__)
-
-
-def lease_seconds() -> float:
-    """A running attempt whose heartbeat is older than this is presumed dead."""
-    return float(env("LEASE_SECONDS", "60"))
 
 
 def heartbeat_seconds() -> float:
