@@ -394,7 +394,10 @@ def _error_lines(job, base: dict[str, Any]) -> dict[str, Any]:
                           "code": code}}
         response = {"status_code": 400, "request_id": job.id, "body": body}
         return {**base, "response": response, "error": None, "specbatch": _metrics(job)}
-    return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": _metrics(job)}
+    metrics = _metrics(job)
+    if job.output_text:  # e.g. a structured job cut at max_tokens: what it generated before the cut
+        metrics["partial_text"] = job.output_text
+    return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": metrics}
 
 
 def output_line(job) -> dict[str, Any]:
