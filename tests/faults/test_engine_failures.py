@@ -65,6 +65,8 @@ def test_status_shows_a_killed_worker_lost(workers):
         return line[len(worker.node):].strip()
 
     assert shown() == "ready"
+    log = Path(worker.log_path).read_text()
+    assert "superuser privileges" not in log and "setup plugin" not in log  # noise silenced (issue 33)
     worker.proc.send_signal(signal.SIGKILL)
     worker.proc.wait()
     wait_until(lambda: shown() == "lost", timeout=LEASE + 30, poll=0.5, what="status to show the worker lost")

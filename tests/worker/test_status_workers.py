@@ -72,3 +72,14 @@ def test_status_piped_fits_80_columns(sqlite_url):
         assert batch_id in out  # ids are never cut
     assert "local-0a1b2c@a-rather-long-host-name.example.internal" in _status(sqlite_url)
     assert single in _status(sqlite_url)
+
+
+def test_status_without_a_broker_says_how_to_name_the_workers_redis(sqlite_url):
+    Store(sqlite_url, auto_upgrade=True)
+    res = CliRunner().invoke(cli, ["--database-url", sqlite_url, "status", "--once"],
+                             env={"REDIS_URL": None, "SPECBATCH_BROKER_URL": None})
+    assert res.exit_code == 0, res.output
+    assert "no broker configured" in " ".join(res.stderr.split()) and "note" not in res.stdout
+    named = CliRunner().invoke(cli, ["--database-url", sqlite_url, "--broker-url", "redis://127.0.0.1:6379/0",
+                                     "status", "--once"])
+    assert "no broker configured" not in named.stderr
