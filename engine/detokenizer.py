@@ -48,7 +48,7 @@ class StopChecker:
         seq.token_ids.append(token)
         params = seq.params
         num_out = seq.num_output_tokens
-        if token in self.eos_ids and not params.ignore_eos and num_out >= params.min_tokens:
+        if token in self.eos_ids and (seq.cornered or (not params.ignore_eos and num_out >= params.min_tokens)):
             seq.finish_reason, seq.stop_reason = "stop", None
             return True
         if token in params.stop_token_ids and num_out >= params.min_tokens:

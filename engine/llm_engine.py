@@ -150,10 +150,7 @@ class LLMEngine:
                 f"prompt needs {self.block_manager.blocks_needed(len(token_ids) + 1)} KV-cache blocks but the "
                 f"cache holds {self.block_manager.num_blocks}; raise kv_cache_memory_bytes"
             )
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise ValueError(
-                f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        params.check_vocabulary(self.vocab_size)
         room = self.max_model_len - len(token_ids)
         if params.max_tokens > room:  # a limit past the context ends with "length", never fails
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))

@@ -176,7 +176,21 @@ class Sampler:
                 apply_min_tokens(logits, rows, self.eos_ids)
             if constrained:
                 forced = self._apply_grammar(logits, raw, rows, biased)
+            if biased:
+                self._end_cornered(logits, rows)
         return logits, forced
+
+    def _end_cornered(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        """A row with no candidate left (every logit -inf: its bias and min-tokens bans cover
+        the vocabulary) takes EOS, which ends its sample (``Sequence.cornered``). Without this
+        the argmax of nothing was token 0, repeated to ``max_tokens``, and reported a success."""
+        dead = torch.isneginf(logits).all(-1).nonzero().flatten().tolist()
+        if not dead:
+            return
+        eos = min(self.eos_ids) if self.eos_ids else 0
+        for r in dead:
+            logits[r, eos] = 0.0
+            rows[r].seq.cornered = True
 
     def _apply_grammar(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[SampleRow],
                        biased: bool) -> dict[int, int]:

@@ -140,6 +140,23 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The checks only a model's vocabulary allows (the engine's at submission, the
+        producer's at validation with the tokenizer's config): ``logit_bias`` ids inside it,
+        and at least one token left to sample. A bias of -100 on every token once "succeeded"
+        with the sampler's fallback (token 0 each step) and empty text: nothing but garbage can
+        come out of such a line, so it is refused up front."""
+        bias = self.logit_bias
+        if not bias:
+            return
+        top = max(bias)
+        if top >= vocab_size:
+            raise ValueError(f"logit_bias: token id {top} is outside the vocabulary [0, {vocab_size})")
+        banned = sum(1 for value in bias.values() if value <= -LOGIT_BIAS_MAX)
+        if banned >= vocab_size:
+            raise ValueError(f"logit_bias bans every token of the vocabulary ({vocab_size} at -100): "
+                             "no token is left to generate")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5

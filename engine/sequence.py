@@ -62,6 +62,9 @@ class Sequence:
     # its current drafts are the grammar's forced tokens (they lead the drafts).
     grammar: "GrammarState | None" = None
     num_forced_drafts: int = 0
+    # No token was left to sample (a logit_bias and min_tokens banning everything between
+    # them): the sampler gave EOS, and that EOS ends the sample whatever ignore_eos says.
+    cornered: bool = False
 
     @property
     def params(self) -> SamplingParams:

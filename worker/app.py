@@ -13,8 +13,13 @@ from urllib.parse import parse_qs, urlsplit
 from celery import Celery
 from kombu import Queue
 
+from . import kombu_redis
 from .config import env, broker_url_from_env, model_from_env, queue_name, visibility_timeout
 from .lanes import lane_queues
+from .quiet import silence_noise
+
+kombu_redis.apply()  # a Redis restart must not stop the worker: see worker.kombu_redis
+silence_noise()  # ``celery -A worker.app worker|flower`` too, not only ``specbatch``
 
 FALLBACK_BROKER = "redis://127.0.0.1:6379/0"
 TASK_NAME = "specbatch.generate"

@@ -22,6 +22,16 @@ from rich.table import Table
 from .config import Settings, env, redact_url
 
 console = Console(stderr=True)
+#: ``status`` piped or written to a file fits this many columns (README's promise).
+STATUS_WIDTH = 80
+
+
+def no_shared_broker(what: str) -> str:
+    """What to say when no broker URL is configured: workers started elsewhere use a Redis of
+    their own, and a private embedded one (what ``run`` would start) can never see them."""
+    return (f"{what}: no broker configured (--broker-url, SPECBATCH_BROKER_URL or REDIS_URL), so there "
+            "are no workers to see: an embedded Redis would be private to this command. Point it at the "
+            "Redis your workers use, e.g. REDIS_URL=redis://HOST:6379/0 " + what)
 
 
 def _fmt(v, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
@@ -131,12 +141,15 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
     _print_summary(client.store, batch_id, started, out, writer.lines)
     unfinished = sum(counts.values()) - counts["succeeded"]
     if unfinished:
-        console.print(f"[red]{unfinished} line(s) without a result[/]:")
+        # Each has its error line in the output file: they have a result, an error one.
+        console.print(f"[red]{unfinished} line(s) failed[/]" + (f" (error lines in {out})" if out else "") + ":",
+                      soft_wrap=True)
         from itertools import islice
 
         for j in islice(client.store.iter_jobs(batch_id, statuses=("failed", "cancelled"), page=20), 20):
             where = "" if (j.error or "").startswith("line ") else f"line {j.line_no}: "
-            console.print(f"  {where}{j.error} [dim]({j.custom_id})[/]")
+            named = f" [dim]({j.custom_id})[/]" if j.custom_id is not None else ""
+            console.print(f"  {where}{j.error}{named}", soft_wrap=True)
         if unfinished > 20:
             console.print(f"  … and {unfinished - 20} more (see {out})")
         raise SystemExit(1)
@@ -223,7 +236,10 @@ def _print_summary(store, batch_id: str, started: float, out: Path | None, n_lin
                 recent.add(j)
     s = (recent if recent.jobs else whole).result()
     table = Table(title="specbatch summary", show_header=False)
-    table.add_row("jobs", " ".join(f"{k} {v}" for k, v in sorted(s["by_status"].items())) or "0")
+    # Every line of the input, as the progress bar counts them (bad lines included); the
+    # figures below are of the jobs this run finished.
+    lines = whole.result()["by_status"]
+    table.add_row("lines", " ".join(f"{k} {v}" for k, v in sorted(lines.items())) or "0")
     table.add_row("output tokens", f"{s['output_tokens']} in {_fmt(s['wall_s'], ' s', digits=2)}")
     table.add_row("throughput", f"{_fmt(s['tokens_per_s'], ' tok/s')}  {_fmt(s['jobs_per_s'], ' jobs/s', digits=2)}")
     table.add_row("queue wait p50 / p95", f"{_fmt(s['queue_wait_p50'], ' ms', 1e3)} / {_fmt(s['queue_wait_p95'], ' ms', 1e3)}")
@@ -454,10 +470,11 @@ def flower(ctx, port, address, basic_auth, models, queues, flower_args):
 
     from .app import app, configure
     from .config import queue_name
-    from .embedded import ensure_broker_url
 
     settings = Settings.resolve(broker_url=ctx.obj["broker_url"])
-    broker = ensure_broker_url(settings.broker_url)
+    if not settings.broker_url:
+        raise click.UsageError(no_shared_broker("specbatch flower"))
+    broker = settings.broker_url
     configure(broker)
     names = list(queues) + [queue_name(model) for model in (models or (() if queues else (settings.model,)))]
     queues = [lane for name in names for lane in lane_queues(name)]
@@ -481,15 +498,15 @@ def flower(ctx, port, address, basic_auth, models, queues, flower_args):
 def status(ctx, batch, watch, interval, window):
     """Workers and recent batches, or one batch (or job) in detail: progress, throughput, ETA,
     failures by cause. Printed to stdout; ids are never cut."""
-    from .config import database_url_from_env
+    from .config import broker_url_from_env, database_url_from_env
     from .status_view import show
     from .store import Store
 
     url = ctx.obj["database_url"] or database_url_from_env()
     store = Store(url)
     out = Console(soft_wrap=False)
-    if not out.is_terminal:  # a pipe or a file: wide enough that no table squeezes an id
-        out = Console(width=max(out.width, 160))
+    if not out.is_terminal:  # a pipe or a file: 80 columns (ids are never cut; other cells fold)
+        out = Console(width=STATUS_WIDTH)
     b = None
     if batch is not None:
         b = store.get_batch(batch)
@@ -497,13 +514,15 @@ def status(ctx, batch, watch, interval, window):
             job = store.get_job(batch)
             if job is None:
                 raise click.ClickException(f"no batch or job {batch!r}")
-            from .formats import output_line
+            from .job_view import job_status
 
-            click.echo(json.dumps(output_line(job), indent=2) if job.status in ("succeeded", "failed", "cancelled")
-                       else json.dumps({"id": job.id, "status": job.status, "attempts": job.attempts,
-                                        "worker": job.worker}))
+            click.echo(json.dumps(job_status(job, store.attempt_history(job.id)), indent=2))
             return  # stdout is the job's JSON alone (pipe it to jq)
     out.print(f"database {redact_url(url)}", soft_wrap=True)
+    if not (ctx.obj["broker_url"] or broker_url_from_env()):
+        # Nothing here reads the broker, but whoever looks for live workers or queues next
+        # (Flower, ``cancel`` of running jobs) needs the workers' Redis: say how to name it.
+        console.print(f"[dim]note: {no_shared_broker('specbatch status')}[/dim]", soft_wrap=True)
     show(store, out, b, watch=out.is_terminal if watch is None else watch, interval=interval, window_s=window)
 
 
@@ -591,6 +610,10 @@ def db_upgrade(ctx, revision):
 
 
 def main() -> None:
+    from .quiet import quiet_finalization, silence_noise
+
+    quiet_finalization()  # registered first: runs after every other exit handler
+    silence_noise()
     cli(prog_name="specbatch")
 
 

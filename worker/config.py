@@ -39,6 +39,11 @@ def max_job_seconds() -> float:
     return float(env("MAX_JOB_SECONDS", str(DEFAULT_MAX_JOB_SECONDS)))  # type: ignore[arg-type]
 
 
+def lease_seconds() -> float:
+    """A running attempt (or a worker) whose heartbeat is older than this is presumed dead."""
+    return float(env("LEASE_SECONDS", "60"))
+
+
 def visibility_timeout() -> float:
     """Redis redelivers an unacked message this long after a worker *reserved* it.
 

@@ -190,6 +190,27 @@ def _json_message(msg: str) -> str:
     return msg[: -len(" at")] if msg.endswith(" at") else msg
 
 
+_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.){1,255})"')
+
+
+def _bad_json(text: str, line_no: int, exc: json.JSONDecodeError) -> BadLine:
+    """A line json cannot read. One that ends before its value does (a file cut mid-line, a
+    line split in two) says so, and a custom_id readable in it names the line: "malformed JSON
+    at column 1" with custom_id None told nobody which request was lost, or why."""
+    found = _CUSTOM_ID.search(text)
+    custom_id = None
+    if found is not None:
+        try:
+            custom_id = json.loads(f'"{found.group(1)}"')
+        except ValueError:
+            custom_id = None
+    message = f"{_json_message(exc.msg)} at column {exc.colno}"
+    truncated = exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated")
+    if truncated and text.lstrip().startswith(("{", "[")):
+        return BadLine(line_no, f"truncated JSON: the line ends before its object does ({message})", custom_id)
+    return BadLine(line_no, f"malformed JSON: {message}", custom_id)
+
+
 def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> Request | BadLine:
     """One line -> a ``Request`` or a ``BadLine`` naming the line and the field; never raises.
 
@@ -202,7 +223,7 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        return BadLine(line_no, f"malformed JSON: {_json_message(exc.msg)} at column {exc.colno}")
+        return _bad_json(text, line_no, exc)
     except RecursionError:
         return BadLine(line_no, "malformed JSON: nested too deeply")
     except ValueError as exc:  # e.g. an integer longer than Python's 4300-digit limit
@@ -394,7 +415,10 @@ def _error_lines(job, base: dict[str, Any]) -> dict[str, Any]:
                           "code": code}}
         response = {"status_code": 400, "request_id": job.id, "body": body}
         return {**base, "response": response, "error": None, "specbatch": _metrics(job)}
-    return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": _metrics(job)}
+    metrics = _metrics(job)
+    if job.output_text:  # e.g. a structured job cut at max_tokens: what it generated before the cut
+        metrics["partial_text"] = job.output_text
+    return {**base, "response": None, "error": {"code": code, "message": message}, "specbatch": metrics}
 
 
 def output_line(job) -> dict[str, Any]:

@@ -45,6 +45,19 @@ class Heartbeat:
         if older is not None and older[1] != request_id:
             self.abort(older[1])
 
+    def lost(self, job_id: str, attempt: int) -> str | None:
+        """Why this attempt no longer owns its job (cancelled, superseded), or None; it stays
+        tracked. A finished attempt keeps its lease fresh until its result is stored: a store
+        retried through a database outage otherwise let the lease expire, and the reaper re-ran
+        a job whose result was waiting to be written (an attempt spent on an outage)."""
+        with self._lock:
+            superseded = self._superseded.get((job_id, attempt))
+            if superseded is not None:
+                return superseded
+            if self._owned.get(job_id, (None, None))[0] != attempt:
+                return None
+            return self._lost.get(job_id)
+
     def untrack(self, job_id: str, attempt: int) -> str | None:
         """Stop refreshing this attempt; return why it was lost, if it was. A newer attempt
         of the job tracked meanwhile stays tracked."""

@@ -70,12 +70,27 @@ def parse_chunk(lines: Sequence[tuple[int, Any]], *, model: str, priority: int,
             out.append((x.line_no, x.custom_id, INVALID, x.error))
             continue
         error = None if lengths is None else length_error(lengths[g], max_model_len)  # type: ignore[arg-type]
+        problem = vocabulary_error(x, getattr(count_tokens, "vocab_size", None))
         if error is not None:
             out.append((x.line_no, x.custom_id, TOO_LONG, error))
+        elif problem is not None:
+            out.append((x.line_no, x.custom_id, INVALID, problem))
         else:
             out.append((x.line_no, x.custom_id, GOOD, _row(x, ids[g], seeds[g], model, priority)))
         g += 1
     return out
+
+
+def vocabulary_error(req: Request, vocab_size: int | None) -> str | None:
+    """``SamplingParams.check_vocabulary`` where the model's vocabulary is known here (a token
+    counter loaded its config), as the line's error; else the engine checks it at submission."""
+    if vocab_size is None or not req.params.logit_bias:
+        return None
+    try:
+        req.params.check_vocabulary(vocab_size)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _row(r: Request, job_id: str, seed: int, model: str, priority: int) -> dict[str, Any]:

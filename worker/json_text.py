@@ -24,9 +24,12 @@ def _make_dumps() -> Callable[[Any], str]:
     encode = _C_ENCODER(None, json.JSONEncoder().default, _encoder.encode_basestring_ascii, None,
                         ": ", ", ", False, False, True)
 
-    def dumps(obj: Any) -> str:
+    # The encoder is a default argument, not a closure: psycopg caches a JSON dumper per
+    # function code and logs "using a closure in a dumps/loads function may cause a resource
+    # leak" on every connection for a closure (SQLAlchemy hands it this as json_serializer).
+    def dumps(obj: Any, _encode: Any = encode) -> str:
         """``json.dumps(obj)``, for values without circular references (e.g. parsed JSON)."""
-        return "".join(encode(obj, 0))
+        return "".join(_encode(obj, 0))
 
     return dumps
 

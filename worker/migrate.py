@@ -7,7 +7,11 @@ from __future__ import annotations
 from importlib.util import find_spec
 from pathlib import Path
 
-from alembic import command
+from .quiet import quiet_alembic
+
+quiet_alembic()  # before alembic is imported: its plugin setup lines say nothing to a user
+
+from alembic import command  # noqa: E402
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, UniqueConstraint, text
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .sqltypes import NulSafeString, NulSafeText  # user text may hold NUL (see sqltypes)
@@ -122,8 +122,36 @@ class Job(Base):
     num_waiting_steps: Mapped[int | None]  # engine steps from reaching the engine to first scheduled
 
 
+# How an attempt ended without the job's result (``JobAttempt.outcome``).
+GIVEN_BACK, LOST = "given back", "lost"
+
+
+class JobAttempt(Base):
+    """An attempt that ended without ending its job: given back (a drain, a dying engine, a
+    worker that had to restart) or lost (its lease expired: the worker vanished). Written only
+    then, in the transaction that puts the job back in the queue: the attempt that ends the job
+    is the job row itself (worker, status, error, finished_at), so the usual path writes
+    nothing here. ``charged``: whether it counts against ``max_attempts`` (the job's own fault
+    as far as anyone can tell); ``jobs.attempts - jobs.attempts_forgiven`` sums the same."""
+
+    __tablename__ = "job_attempts"
+
+    job_id: Mapped[str] = mapped_column(NulSafeString(64), ForeignKey("jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    device: Mapped[str | None] = mapped_column(String(64))
+    started_at: Mapped[float | None]
+    ended_at: Mapped[float]
+    outcome: Mapped[str] = mapped_column(String(16))
+    cause: Mapped[str | None] = mapped_column(NulSafeText)
+    charged: Mapped[bool] = mapped_column(Boolean)
+
+
 # Worker states, as ``specbatch status`` shows them.
 W_STARTING, W_READY, W_DRAINING, W_STOPPED, W_FAILED = "starting", "ready", "draining", "stopped", "failed"
+#: The process left with an exit code (``Worker.exit_code``; ``worker.exit_codes``).
+W_EXITED = "exited"
 
 
 class Worker(Base):
@@ -145,3 +173,4 @@ class Worker(Base):
     started_at: Mapped[float | None]
     heartbeat_at: Mapped[float | None]
     stopped_at: Mapped[float | None]
+    exit_code: Mapped[int | None]  # the code its last exit was recorded with (state ``exited``)

@@ -92,7 +92,7 @@ _RULES = [
     FieldRule("stop", BOTH, OV, "honoured", "a string or a list of strings; matched on the decoded text"),
     FieldRule("frequency_penalty", BOTH, OV, "honoured", "[-2, 2]"),
     FieldRule("presence_penalty", BOTH, OV, "honoured", "[-2, 2]"),
-    FieldRule("logit_bias", BOTH, OV, "honoured", "token id (string keys) -> bias in [-100, 100], added to the logits before sampling and in speculative verification; -100 bans a token, +100 makes the +100 tokens the only candidates; ids outside the vocabulary fail the job"),
+    FieldRule("logit_bias", BOTH, OV, "honoured", "token id (string keys) -> bias in [-100, 100], added to the logits before sampling and in speculative verification; -100 bans a token, +100 makes the +100 tokens the only candidates; ids outside the vocabulary, or -100 on every token, fail the line at validation"),
     FieldRule("logprobs", BOTH, OV, "honoured", "chat: true returns choices[].logprobs.content[] (token, bytes, logprob, top_logprobs); completions: an integer 0-20 returns the completions logprobs object. Values are the model's raw log-softmax (before penalties, bias and temperature), as vLLM returns by default"),
     FieldRule("top_logprobs", CHAT, OV, "honoured", "0-20 alternatives per position; needs logprobs: true"),
     FieldRule("top_k", BOTH, V, "honoured", "0 or -1 is off"),

@@ -229,6 +229,27 @@ class Runtime:
             self.loop.abort(request_id)
         return [job_id for job_id, _ in items]
 
+    def give_back_inflight(self, store: Any, why: str) -> list[str]:
+        """This worker must restart and its jobs cannot finish here: abort every request in
+        flight and put its job back in the queue, forgiven (the restart is not the job's
+        fault). Returns the jobs given back (an attempt superseded meanwhile is not)."""
+        with self.inflight_lock:
+            self.drain_expired = True  # anything submitted from now on is aborted at once
+            items = list(self.inflight.items())
+        given: list[str] = []
+        for job_id, request_id in items:
+            try:
+                self.loop.abort(request_id)
+            except Exception:  # a dead engine: nothing to abort
+                pass
+            attempt = int(request_id.rpartition("#")[2])
+            try:
+                if store.give_back(job_id, attempt, f"worker restarting: {why}", forgive=True):
+                    given.append(job_id)
+            except Exception:  # the database is away too: the lease expires and the reaper has it
+                log.warning("could not give back %s", job_id, exc_info=True)
+        return given
+
     def abort_jobs(self, job_ids: list[str]) -> list[str]:
         """Abort the given jobs if this process is generating them (cooperative cancel)."""
         aborted = []
@@ -380,10 +401,29 @@ def _record_state(state: str, error: str | None = None) -> None:
 
 
 def _exit(code: int, why: str) -> None:
-    """Leave now with ``code`` so the supervisor restarts this worker."""
+    """Leave now with ``code`` so the supervisor restarts this worker; record the exit first
+    (``status`` shows ``exited N``), unless the database is why."""
     log.critical("worker exiting with %d: %s", code, why)
+    if code != EXIT_STORE_UNREACHABLE:
+        _record_exit(code, why)
     logging.shutdown()
     os._exit(code)
+
+
+def _record_exit(code: int, why: str, timeout_s: float = 5.0) -> None:
+    """``Store.worker_exited``, waited for at most ``timeout_s`` (an exit never hangs on it)."""
+    if _worker_name is None:
+        return
+
+    def record() -> None:
+        try:
+            store().worker_exited(_worker_name, code, why[:1000])
+        except Exception:
+            log.warning("could not record the exit", exc_info=True)
+
+    thread = threading.Thread(target=record, name="specbatch-record-exit", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
 
 
 def _arm_stop_watchdog(controller: Any) -> None:
@@ -394,14 +434,37 @@ def _arm_stop_watchdog(controller: Any) -> None:
     original = controller.stop
 
     def stop(*args: Any, **kwargs: Any) -> Any:
+        # Every stop drains, not only a signal's: after Celery's "Unrecoverable error" running
+        # jobs got no drain timeout and were abandoned to the reaper, each charged an attempt.
+        _drain_on_shutdown()
+
         def force_exit() -> None:
             time.sleep(drain_timeout() + 60.0)
+            _give_back_inflight("the worker's stop did not finish")
             _exit(EXIT_STOP_HUNG, "the worker's stop did not finish")
 
         threading.Thread(target=force_exit, name="specbatch-stop-watchdog", daemon=True).start()
         return original(*args, **kwargs)
 
     controller.stop = stop
+
+
+def _give_back_inflight(why: str) -> None:
+    """Before a forced exit: every job in flight goes back to the queue, forgiven, with a new
+    message (the orphan sweep publishes any this cannot)."""
+    rt = _runtime
+    if rt is None:
+        return
+    given = rt.give_back_inflight(store(), why)
+    if not given:
+        return
+    try:
+        from .app import app
+        from .publish import publish_jobs
+
+        publish_jobs(app, store().payloads(given), lambda row: row.get("queue") or rt.queue)
+    except Exception:
+        log.warning("could not publish %d given-back job(s); the orphan sweep will", len(given), exc_info=True)
 
 
 @signals.worker_init.connect
@@ -518,7 +581,11 @@ def _drain_on_shutdown(**_: Any) -> None:
 
 
 @signals.worker_shutdown.connect
-def _drain_at_worker_stop(**_: Any) -> None:
+def _drain_at_worker_stop(sender: Any = None, **_: Any) -> None:
     _unmark_ready()
     stop(drain_timeout=drain_timeout())
-    _record_state("stopped")
+    code = getattr(sender, "exitcode", 0) or 0
+    if isinstance(code, int) and code:  # e.g. 1 after Celery's "Unrecoverable error"
+        _record_exit(code, "Celery stopped the worker (its log says why)")
+    else:
+        _record_state("stopped")

@@ -21,7 +21,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, Batch
+from .config import lease_seconds
+from .models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, W_EXITED, W_FAILED, W_STOPPED, Batch
 from .store import Store
 from .summary import percentile
 
@@ -73,6 +74,7 @@ class Snapshot:
     workers: list[Any]  # worker.models.Worker rows
     running_by_worker: dict[str, int]
     single_jobs: list[dict[str, Any]] = field(default_factory=list)  # newest jobs outside any batch
+    lease_s: float = 60.0  # a worker whose heartbeat is older is shown ``lost``
 
     @property
     def active(self) -> bool:
@@ -120,7 +122,7 @@ def take_snapshot(store: Store, batch: Batch | None = None, *, window_s: float =
     batches = [batch] if batch is not None else store.batches(limit)
     return Snapshot(now, batch_views(store, batches, now, window_s, latencies=batch is not None),
                     store.workers(), store.running_counts_by_worker(),
-                    store.single_jobs(limit) if batch is None else [])
+                    store.single_jobs(limit) if batch is None else [], lease_s=lease_seconds())
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -141,28 +143,38 @@ def fmt_failures(failures: dict[str, int]) -> str:
     return ", ".join(f"{cause} {n}" for cause, n in sorted(failures.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
 
 
+def shown_state(worker: Any, now: float, lease_s: float) -> str:
+    """A worker's state as its heartbeat tells it: ``exited N`` once its exit was recorded,
+    ``lost`` once its heartbeat is older than a lease (a SIGKILL, an OOM kill, a lost host
+    record nothing: the last state they wrote was ``ready``), else the state it recorded."""
+    if worker.state == W_EXITED:
+        return f"exited {worker.exit_code}" if worker.exit_code is not None else "exited"
+    if worker.state in (W_STOPPED, W_FAILED):
+        return worker.state
+    if worker.heartbeat_at is None or now - worker.heartbeat_at > lease_s:
+        return "lost"
+    return worker.state
+
+
 def workers_table(snap: Snapshot) -> RenderableType | None:
-    """Workers by node name: a crash-looping one shows many starts and failures, its last error
-    (under the table, so the table fits 80 columns)."""
+    """Workers by node name, two lines each so any name fits 80 columns whole: the name and
+    the state its heartbeat tells, then device, running jobs, heartbeat age, starts, failures
+    and queue; a crash-looping one shows many starts and failures, and its last error."""
     if not snap.workers:
         return None
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
-    table.add_column("worker", no_wrap=True)  # an id: never cut
-    for name in ("device", "queue", "state"):
-        table.add_column(name, overflow="fold")
-    for name in ("running", "heartbeat", "starts", "fails"):
-        table.add_column(name, justify="right", overflow="fold")
-    errors = []
+    lines: list[RenderableType] = [Text("workers", style="bold")]
     for w in snap.workers:
         beat = f"{snap.taken_at - w.heartbeat_at:.0f} s ago" if w.heartbeat_at else "-"
-        state = Text(w.state)
-        if w.failures >= 3 and w.state in ("failed", "starting"):
-            state = Text(f"{w.state} (crash loop?)", style="red")
-        table.add_row(w.name, w.device or "", w.queue or "", state, str(snap.running_by_worker.get(w.name, 0)), beat,
-                      str(w.starts), str(w.failures))
+        shown = shown_state(w, snap.taken_at, snap.lease_s)
+        dead = shown == "lost" or (shown.startswith("exited") and shown != "exited 0")
+        if w.failures >= 3 and (dead or shown in ("failed", "starting")):
+            shown += " (crash loop?)"
+        lines.append(Text.assemble((w.name, "bold"), "  ", (shown, "red" if dead or "crash" in shown else "green")))
+        lines.append(Text(f"  {w.device or '-'}  running {snap.running_by_worker.get(w.name, 0)}  heartbeat {beat}"
+                          f"  starts {w.starts}  fails {w.failures}  queue {w.queue or '-'}", overflow="fold"))
         if w.error:
-            errors.append(Text.assemble("  ", (w.name, "bold"), " last error: ", (w.error[:300], "red")))
-    return Group(Text("workers", style="bold"), table, *errors)
+            lines.append(Text.assemble("  last error: ", (w.error[:300], "red"), overflow="fold"))
+    return Group(*lines)
 
 
 def batch_line(b: BatchView) -> RenderableType:

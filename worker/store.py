@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from sqlalchemy import (JSON, Connection, Engine, Select, and_, bindparam, case, create_engine, delete, event, func,
-                        literal, or_, select, tuple_, update)
+from sqlalchemy import (JSON, Boolean, Connection, Engine, Integer, Select, String, Text, and_, bindparam, case,
+                        create_engine, delete, event, func, insert, literal, or_, select, tuple_, update)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,7 +29,8 @@ from . import json_text, migrate
 from .config import env
 from .group_commit import GroupCommit
 from .models import (CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, W_FAILED, W_STARTING,
-                     W_STOPPED, Batch, Job, Worker)
+                     W_STOPPED, Batch, Epoch, Job, JobAttempt, Worker)
+from .models import GIVEN_BACK, LOST, W_EXITED
 
 T = TypeVar("T")
 
@@ -437,7 +438,7 @@ class Store:
                 # The message carries the payload: recreate a row lost with its database.
                 self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
                 continue
-            status, attempts, heartbeat, forgiven, enqueued_at = row
+            status, attempts, heartbeat, forgiven, enqueued_at, last_worker, last_device, last_started = row
             if status in TERMINAL:
                 return Claim(None, f"already {status}")
             if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
@@ -457,6 +458,11 @@ class Store:
                 "p_worker": worker, "p_device": device, "p_now": now, "p_queue": queue,
             })
             if res.rowcount == 1:
+                if status == RUNNING:  # taken over from an attempt whose lease expired: it was lost
+                    conn.execute(insert(JobAttempt).values(
+                        job_id=job_id, attempt=attempts, worker=last_worker, device=last_device,
+                        started_at=last_started, ended_at=now, outcome=LOST, charged=True,
+                        cause=f"lease expired: taken over by {worker}"))
                 return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now)
         return Claim(None, "lost the race to another attempt")
 
@@ -529,6 +535,8 @@ class Store:
             res = conn.execute(
                 update(Job).where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING).values(**values)
             )
+            if res.rowcount == 1:
+                conn.execute(_attempt_ended(job_id, attempt, GIVEN_BACK, reason, charged=not forgive, now=now))
             return res.rowcount == 1
 
     def reap_expired(self, lease_s: float, queues: Sequence[str], max_attempts: int,
@@ -564,6 +572,8 @@ class Store:
                            Job.heartbeat_at < cutoff)
                     .values(**values)
                 )
+                if res.rowcount == 1:
+                    conn.execute(_attempt_ended(row["id"], row["attempts"], LOST, lost, charged=True, now=now))
             if res.rowcount == 1 and not exhausted:
                 requeued.append(dict(row))
         return requeued
@@ -641,7 +651,8 @@ class Store:
         now = time.time()
         with self._write() as conn:
             found = conn.execute(select(Worker.name).where(Worker.name == name)).first()
-            values = dict(info, state=W_STARTING, error=None, started_at=now, heartbeat_at=now, stopped_at=None)
+            values = dict(info, state=W_STARTING, error=None, started_at=now, heartbeat_at=now, stopped_at=None,
+                          exit_code=None)
             if found is None:
                 conn.execute(self._insert(Worker).values(name=name, starts=1, failures=0, **values))
             else:
@@ -656,6 +667,18 @@ class Store:
             values["stopped_at"] = now
         if state == W_FAILED:
             values["failures"] = Worker.failures + 1
+        with self._write() as conn:
+            conn.execute(update(Worker).where(Worker.name == name).values(**values))
+
+    def worker_exited(self, name: str, code: int, error: str | None = None) -> None:
+        """The process is leaving with ``code``: ``status`` shows ``exited N`` from now on. A
+        non-zero exit counts as a failure unless the state already said ``failed``."""
+        now = time.time()
+        values: dict[str, Any] = dict(state=W_EXITED, exit_code=code, heartbeat_at=now, stopped_at=now)
+        if error is not None:
+            values["error"] = error
+        if code != 0:
+            values["failures"] = Worker.failures + case((Worker.state == W_FAILED, 0), else_=1)
         with self._write() as conn:
             conn.execute(update(Worker).where(Worker.name == name).values(**values))
 
@@ -696,6 +719,12 @@ class Store:
         return ids, [r.id for r in rows if r.status == RUNNING]
 
     # ---- reads -------------------------------------------------------------------------
+    def attempt_history(self, job_id: str) -> list[JobAttempt]:
+        """The job's attempts that ended without ending it, oldest first (see ``JobAttempt``)."""
+        with self.Session() as s:
+            return list(s.scalars(select(JobAttempt).where(JobAttempt.job_id == job_id)
+                                  .order_by(JobAttempt.attempt)))
+
     def get_job(self, job_id: str) -> Job | None:
         with self.Session() as s:
             return s.get(Job, job_id)
@@ -914,8 +943,20 @@ class Store:
 # A worker's per-job statements, built once: building a Core statement and its cache key cost
 # more of a one-token job's worker CPU than executing it (py-spy: about half of the group
 # commit's time went to ``update(...).values(...)`` and ``_generate_cache_key``).
-_CLAIM_READ = (select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at)
+_CLAIM_READ = (select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at,
+                      Job.worker, Job.device, Job.started_at)
                .where(Job.id == bindparam("p_job_id")))
+
+
+def _attempt_ended(job_id: str, attempt: int, outcome: str, cause: str | None, *, charged: bool, now: float):
+    """Insert the ``JobAttempt`` of an attempt that ends without ending its job, its worker,
+    device and start read from the job row (run it in the transaction that moves the job on,
+    before a new claim overwrites them)."""
+    return insert(JobAttempt).from_select(
+        ["job_id", "attempt", "worker", "device", "started_at", "ended_at", "outcome", "cause", "charged"],
+        select(Job.id, literal(attempt, Integer), Job.worker, Job.device, Job.started_at, literal(now, Epoch),
+               literal(outcome, String), literal((cause or "")[:2000] or None, Text),
+               literal(charged, Boolean)).where(Job.id == job_id))
 _NOW = bindparam("p_now", type_=Job.__table__.c.started_at.type)
 _CLAIM_WRITE = (  # bound names are not column names: SET's own parameters take those
     update(Job)

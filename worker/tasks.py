@@ -25,7 +25,7 @@ from celery.worker.control import control_command
 
 from . import runtime
 from .app import GROUP_TASK_NAME, TASK_NAME, app
-from .config import env, max_job_seconds, model_slug
+from .config import env, lease_seconds, max_job_seconds, model_slug
 from .dbretry import with_db_retry
 from .logprobs import Pieces, pack
 from .models import FAILED, SUCCEEDED
@@ -33,11 +33,6 @@ from .request import request_from_payload
 from .store import Claim
 
 log = logging.getLogger(__name__)
-
-
-def lease_seconds() -> float:
-    """A running attempt whose heartbeat is older than this is presumed dead."""
-    return float(env("LEASE_SECONDS", "60"))
 
 
 def heartbeat_seconds() -> float:
@@ -291,8 +286,9 @@ def wait_and_store(rt: runtime.Runtime, store,
             to_store: list[tuple[Running, dict[str, Any]]] = []
             for r in done:
                 # ``rt.inflight`` keeps the job until it is stored or given back: a dying worker
-                # waits for that before it exits (``runtime._on_engine_death``).
-                lost = heartbeat.untrack(r.job_id, r.attempt)
+                # waits for that before it exits (``runtime._on_engine_death``); so does the
+                # heartbeat (its lease stays fresh while the store retries through an outage).
+                lost = heartbeat.lost(r.job_id, r.attempt)
                 back: tuple[str, bool] | None = None  # (why, forgive) when the job goes back to the queue
                 try:
                     out = r.handle.result(0)
@@ -315,6 +311,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                         values.update(status=FAILED, error="aborted", error_type="aborted")
                 if back is not None:
                     outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, back[0], forgive=back[1])
+                    heartbeat.untrack(r.job_id, r.attempt)
                     rt.forget_inflight(r.job_id, r.request_id)
                     yield r.index, (outcome, None)
                     continue
@@ -323,6 +320,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                 stored = with_db_retry("store result", lambda: store.finish_many(
                     [(r.job_id, r.attempt, values) for r, values in to_store]))
                 for (r, values), ok in zip(to_store, stored):
+                    heartbeat.untrack(r.job_id, r.attempt)
                     rt.forget_inflight(r.job_id, r.request_id)
                     if ok:
                         log.info("job %s attempt %s stored: %s", r.job_id, r.attempt, values["status"])

@@ -61,6 +61,30 @@ def test_out_of_vocabulary_bias_fails_at_submission(tiny_model_dir):
         llm.engine.make_request("x", params=SamplingParams(logit_bias={100000: 1}))
 
 
+def test_a_bias_that_bans_every_token_is_refused_at_submission(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu")
+    vocab = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=r"^logit_bias bans every token of the vocabulary"):
+        llm.engine.make_request("x", params=SamplingParams(logit_bias={t: -100 for t in range(vocab)}))
+    # One token left: allowed (it is the only candidate).
+    llm.engine.make_request("x", params=SamplingParams(logit_bias={t: -100 for t in range(1, vocab)}))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_sample_left_no_token_ends_at_eos(tiny_model_dir, temperature):
+    """Every token but EOS banned by the bias and EOS banned by min_tokens: nothing is left to
+    sample. The sample ends there with EOS ("stop"), not max_tokens copies of token 0 reported
+    as a success; greedy and sampled, with speculation too."""
+    for spec in (None, NGRAM):
+        llm = LLM(tiny_model_dir, device="cpu", speculative_config=spec)
+        eos = min(llm.engine.eos_ids)
+        params = SamplingParams(temperature=temperature, max_tokens=20, min_tokens=10, seed=3,
+                                logit_bias={t: -100 for t in range(llm.engine.vocab_size) if t != eos})
+        for out in llm.generate(PROMPTS, params, use_tqdm=False):
+            sample = out.outputs[0]
+            assert (sample.token_ids, sample.finish_reason) == ([eos], "stop"), sample
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_speculation_samples_from_the_same_biased_distribution(tiny_model_dir, temperature):
     """Greedy and seeded sampling with a bias: ngram speculation gives the same tokens as none,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from tests.faults.conftest import engine_pid, stored_results, wait_until
+from tests.faults.conftest import LEASE, engine_pid, stored_results, wait_until
 from worker.client import Client
 from worker.models import FAILED, QUEUED, SUCCEEDED
 from worker.exit_codes import EXIT_ENGINE_BUILD_FAILED, EXIT_ENGINE_DIED
@@ -39,16 +39,37 @@ def test_engine_that_cannot_be_built_takes_no_message(workers):
     assert row.status == QUEUED and row.attempts == 0  # never claimed
     assert redis.Redis.from_url(settings.broker_url).llen(f"{settings.queue}.interactive") == 1  # its message still waits (interactive lane)
     (state,) = [w for w in client.store.workers() if w.name == broken.node]
-    assert state.state == "failed" and "engine could not be built" in state.error and state.failures == 1
+    assert (state.state, state.exit_code) == ("exited", EXIT_ENGINE_BUILD_FAILED)
+    assert "engine could not be built" in state.error and state.failures == 1
 
     # `specbatch status` shows it (a crash loop is visible to whoever looks).
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="250")
     shown = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", settings.database_url, "status"],
                            env=env, capture_output=True, text=True, timeout=120)
-    assert broken.node.split("@")[0] in shown.stdout + shown.stderr and "failed" in shown.stdout + shown.stderr
+    assert f"{broken.node}  exited {EXIT_ENGINE_BUILD_FAILED}" in shown.stdout, shown.stdout + shown.stderr
 
     workers.start()  # a healthy worker gets the job promptly
     assert client.wait(job, timeout=120) == SUCCEEDED
+
+
+def test_status_shows_a_killed_worker_lost(workers):
+    """SIGKILL records nothing: the worker's last state is ``ready``, its heartbeat stops;
+    ``status`` says ``lost`` once the heartbeat is older than a lease (never ``ready``)."""
+    worker = workers.start()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_LEASE_SECONDS=str(LEASE))
+
+    def shown() -> str:
+        out = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", workers.settings.database_url,
+                              "status"], env=env, capture_output=True, text=True, timeout=120).stdout
+        (line,) = [line for line in out.splitlines() if line.startswith(worker.node + " ")]
+        return line[len(worker.node):].strip()
+
+    assert shown() == "ready"
+    log = Path(worker.log_path).read_text()
+    assert "superuser privileges" not in log and "setup plugin" not in log  # noise silenced (issue 33)
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait()
+    wait_until(lambda: shown() == "lost", timeout=LEASE + 30, poll=0.5, what="status to show the worker lost")
 
 
 def test_loop_that_dies_gives_jobs_back_and_exits_non_zero(workers):
@@ -65,7 +86,7 @@ def test_loop_that_dies_gives_jobs_back_and_exits_non_zero(workers):
     assert given_back and all(j.status == QUEUED for j in given_back)  # back at once, not after a lease
     assert all("engine loop died" in (j.error or "") for j in given_back), [(j.status, j.attempts, j.error) for j in jobs]
     (state,) = [w for w in client.store.workers() if w.name == dying.node]
-    assert state.state == "failed" and "engine loop died" in state.error
+    assert (state.state, state.exit_code) == ("exited", EXIT_ENGINE_DIED) and "engine loop died" in state.error
 
     workers.start()  # the restarted (healthy) worker finishes them
     counts = client.wait(batch_id, timeout=180)
@@ -91,7 +112,7 @@ def test_engine_process_killed_mid_batch_gives_jobs_back_and_worker_exits_non_ze
     assert given_back and all(j.status == QUEUED for j in given_back)  # back at once, not after a lease
     assert all("engine process exited unexpectedly" in (j.error or "") for j in given_back)
     (state,) = [w for w in client.store.workers() if w.name == worker.node]
-    assert state.state == "failed" and "engine" in state.error
+    assert (state.state, state.exit_code) == ("exited", EXIT_ENGINE_DIED) and "engine" in state.error
 
     workers.start(env=slow)  # the restarted worker finishes them
     counts = client.wait(batch_id, timeout=180)

@@ -62,7 +62,7 @@ def test_a_run_killed_mid_way_leaves_valid_jsonl_that_a_rerun_completes_once(red
 
     second = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert second.returncode == 1, second.stderr[-3000:]  # one bad line: non-zero, as any run with one
-    assert "1 line(s) without a result" in second.stderr
+    assert "1 line(s) failed" in second.stderr
     rows = _read(out)
     assert out.read_bytes().startswith(prefix)  # what was written stays as it was
     assert [r["specbatch"]["line"] for r in rows] == list(range(1, total + 1))  # every line exactly once

@@ -4,6 +4,7 @@ input line and a non-zero exit; rerunning the same file skips what succeeded."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -71,7 +72,9 @@ def test_run_mixed_file(tmp_path, redis_url, unique_queue):
         err = by_line[n]["response"]["body"]["error"]
         assert err["type"] == "invalid_request_error", err
         assert err["message"].startswith(f"line {n}:") and needle in err["message"], err
-    assert "5 line(s) without a result" in res.stderr
+    flat = " ".join(res.stderr.split())
+    assert f"5 line(s) failed (error lines in {out}):" in flat  # each has its error line
+    assert re.search(r"│ lines\s+│ failed 5 succeeded 4\s+│", res.stderr), res.stderr  # every line, as the bar counts
     assert "TTFT p50" in res.stderr
 
     # Rerun: nothing succeeded is generated again; the output still has every line.

@@ -131,3 +131,13 @@ def test_flower_refuses_a_public_address_without_auth(redis_url):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "without authentication" in done.stderr
+
+
+def test_flower_without_a_broker_says_how_to_point_it_at_the_workers():
+    """Without a broker URL it once watched a private embedded Redis where no worker can appear."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPECBATCH_BROKER_URL")}
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "flower"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    message = " ".join(done.stderr.split())
+    assert "no broker configured" in message and "REDIS_URL=redis://HOST:6379/0 specbatch flower" in message

@@ -67,6 +67,20 @@ def test_duplicates_and_blank_lines():
     assert parsed.num_lines == 4
 
 
+def test_a_truncated_line_says_so_and_names_its_custom_id():
+    """A file cut mid-line: the line is called truncated and keeps the custom_id it shows, not
+    "malformed JSON at column 1" with custom_id None."""
+    full = chat_line("req-7")
+    cut = parse_line(full[: len(full) // 2], 12)
+    assert cut.message.startswith("line 12: truncated JSON: the line ends before its object does (")
+    assert cut.custom_id == "req-7"
+    split = parse_line('{"custom_id": "req-8", "body": {', 13)
+    assert "truncated JSON" in split.message and split.custom_id == "req-8"
+    wrong = parse_line('{"custom_id": "req-9" "body": {}}', 14)  # not cut: a missing comma
+    assert wrong.message == "line 14: malformed JSON: Expecting ',' delimiter at column 23"
+    assert wrong.custom_id == "req-9"
+
+
 def test_check_lengths_moves_long_prompts_to_bad():
     parsed = parse_lines([chat_line("a"), '{"prompt": "' + "x" * 50 + '"}'])
     check_lengths(parsed, lambda r: len(r.prompt or "hi"), max_model_len=20)

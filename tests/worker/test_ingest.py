@@ -159,6 +159,26 @@ def test_token_counts_in_one_batch_equal_one_by_one(tiny_model_dir):
     assert isinstance(many[3], ValueError) and many[4] > 300
 
 
+def test_a_logit_bias_that_leaves_no_token_is_refused_at_validation(producer, tiny_model_dir, tmp_path):
+    """Nothing but garbage can come of it: it fails at validation naming the line (never queued),
+    as does a bias naming a token past the vocabulary; a bias that leaves one token runs."""
+    from worker.validate import TokenCounter
+
+    counter = TokenCounter(tiny_model_dir)
+    vocab = counter.vocab_size
+    lines = [{"custom_id": "all", "prompt": "a", "logit_bias": {str(t): -100 for t in range(vocab)}},
+             {"custom_id": "past", "prompt": "b", "logit_bias": {str(vocab): 5}},
+             {"custom_id": "one", "prompt": "c", "logit_bias": {str(t): -100 for t in range(1, vocab)}}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    result = _ingest(producer, chunk=10, parse_in_child=False, count_tokens=counter,
+                     max_model_len=64).run(src, name="bias", input_file=None)
+    jobs = {j.custom_id: j for j in producer.store.jobs(result.batch_id)}
+    assert jobs["all"].status == FAILED and jobs["all"].error.startswith("line 1: logit_bias bans every token")
+    assert jobs["past"].status == FAILED and f"token id {vocab} is outside the vocabulary" in jobs["past"].error
+    assert jobs["one"].status == QUEUED and (result.num_good, result.num_bad) == (1, 2)
+
+
 def test_a_chunk_written_twice_keeps_one_row_each(db_url):
     """PostgreSQL writes a new batch's rows with COPY; rows that exist already make it fall back
     to the upsert, which skips them (SQLite upserts always)."""

@@ -31,3 +31,9 @@ def test_what_json_cannot_encode_raises_as_json_dumps_does():
         dumps({"a": object()})
     with pytest.raises(TypeError):
         dumps({(1, 2): 3})
+
+
+def test_dumps_is_no_closure():
+    """psycopg logs a resource-leak warning on every connection for a closure used as the JSON
+    dumper (SQLAlchemy installs ``json_text.dumps`` as one): it spammed every PostgreSQL worker."""
+    assert dumps.__closure__ is None

@@ -369,7 +369,7 @@ def test_error_param_reads_the_field_back():
                           error_type="generation_error", attempts=1, worker="w", device="cpu", queue_wait_s=None,
                           ttft_s=None, tpot_s=None, tokens_per_s=None, enqueued_at=1.0, started_at=None,
                           first_token_at=None, finished_at=2.0, num_cached_tokens=None, num_draft_tokens=None,
-                          num_accepted_tokens=None, max_batch_size=None, user=None)
+                          num_accepted_tokens=None, max_batch_size=None, user=None, output_text=None)
     line = output_line(job)
     assert line["response"] is None and line["error"] == {"code": "generation_error", "message": "line 2: model step failed: boom"}
     assert isinstance(validate_line(line, None), BatchError)

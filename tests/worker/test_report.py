@@ -243,8 +243,10 @@ def test_status_once_shows_workers_eta_and_failures(sqlite_url):
     out = res.stdout  # stdout, not stderr
     assert batch_id in out and "5/9 (56 %)" in out and "failed 2" in out
     assert "generation_error 1, invalid_input 1" in out and "ETA 0:11" in out  # 4 left at 4 jobs in 11 s
-    line = next(l for l in out.splitlines() if "gpu-node-with-a-long-name-0123456789@host" in l)
-    assert line.split()[1:5] == ["cuda:3", "gen.m", "ready", "2"]  # device, queue, state, running jobs
+    lines = out.splitlines()
+    at = next(i for i, l in enumerate(lines) if "gpu-node-with-a-long-name-0123456789@host" in l)
+    assert lines[at].split()[1:] == ["ready"]  # the name, then the state
+    assert lines[at + 1].split()[:3] == ["cuda:3", "running", "2"] and "queue gen.m" in lines[at + 1]
 
     res = CliRunner().invoke(cli, ["--database-url", sqlite_url, "status", batch_id, "--once"])
     assert res.exit_code == 0, res.output

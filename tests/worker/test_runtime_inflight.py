@@ -53,3 +53,27 @@ def test_an_older_attempts_end_keeps_the_newer_attempt_recorded(loop):
     assert rt.inflight == {"x": "x#2"}
     rt.forget_inflight("x", "x#2")
     assert rt.inflight == {}
+
+
+def test_a_worker_that_must_restart_gives_its_jobs_back_forgiven(loop, sqlite_url):
+    """The stop watchdog's last act (a stop that never finished: exit 6): the jobs in flight
+    go back to the queue at once, their attempts forgiven, instead of waiting for their leases
+    to expire and being charged an attempt each."""
+    from worker.models import QUEUED
+    from worker.store import Store, job_row
+
+    store = Store(sqlite_url, auto_upgrade=True)
+    store.upsert_jobs([job_row(model="tiny", prompt="p", id="r")])
+    claim = store.claim("r", worker="w", device="cpu", lease_s=60, max_attempts=1)
+    rt = _runtime(loop)
+    request_id = f"r#{claim.attempt}"
+    handle = loop.submit([5, 6, 7], params=LONG, request_id=request_id)
+    rt.add_inflight("r", request_id)
+    assert rt.give_back_inflight(store, "the worker's stop did not finish") == ["r"]
+    assert handle.result(timeout=120).outputs[0].finish_reason == "abort"
+    job = store.get_job("r")
+    assert (job.status, job.attempts, job.attempts_forgiven) == (QUEUED, 1, 1)
+    (h,) = store.attempt_history("r")
+    assert h.outcome == "given back" and not h.charged and "stop did not finish" in h.cause
+    # max_attempts 1 and the attempt forgiven: the job can still be claimed.
+    assert store.claim("r", worker="w2", device="cpu", lease_s=60, max_attempts=1).ok

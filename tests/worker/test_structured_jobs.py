@@ -66,6 +66,15 @@ def test_response_format_lines_through_a_real_worker(sqlite_url, redis_url, uniq
     assert cut.finish_reason == "length" and cut.num_output_tokens == 3 and cut.output_text  # kept for inspection
     assert "cut by max_tokens after 3 tokens" in cut.error
     assert output_line(cut)["error"]["code"] == "structured_output_incomplete"
+    from click.testing import CliRunner
+
+    from worker.cli import cli
+
+    for command in ("status", "export"):  # both show what the cut job generated
+        res = CliRunner().invoke(cli, ["--database-url", sqlite_url, command, cut.id])
+        assert res.exit_code == 0, res.output
+        shown = json.loads(res.stdout)["specbatch"]
+        assert shown["partial_text"] == cut.output_text, command
     bad = jobs["bad-schema"]
     assert bad.status == FAILED and bad.error_type == "invalid_request"
     assert bad.error.startswith("structured_outputs: the json does not compile") and "nope" in bad.error
