@@ -172,8 +172,10 @@ def test_worker_waits_out_redis_restarts(persistent, sqlite_url, unique_queue, t
         redis_server.kill()
 
 
-def test_worker_waits_out_a_database_cut(pg_url, redis_url, unique_queue, tiny_model, tmp_path):
-    """PostgreSQL cut for 20 s through a TCP proxy while jobs run: the same promises."""
+@pytest.mark.parametrize("retry_s", [None, "3"], ids=["within-retry", "longer-than-DB_RETRY_SECONDS"])
+def test_worker_waits_out_a_database_cut(retry_s, pg_url, redis_url, unique_queue, tiny_model, tmp_path):
+    """PostgreSQL cut for 20 s through a TCP proxy while jobs run: the same promises, also when
+    the cut outlasts ``DB_RETRY_SECONDS`` (a result given up on then was re-run, attempt 2)."""
     from sqlalchemy.engine import make_url
 
     from tests.faults.conftest import TcpProxy
@@ -187,7 +189,7 @@ def test_worker_waits_out_a_database_cut(pg_url, redis_url, unique_queue, tiny_m
                         queue=unique_queue)
     group = Workers(settings, tmp_path)
     try:
-        worker = group.start(env=SLOW)
+        worker = group.start(env={**SLOW, **({"SPECBATCH_DB_RETRY_SECONDS": retry_s} if retry_s else {})})
         pid = worker.proc.pid
         client = Client(broker_url=settings.broker_url, database_url=pg_url, model=settings.model,
                         queue=settings.queue)
