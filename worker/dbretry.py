@@ -23,10 +23,15 @@ def db_retry_seconds() -> float:
     return float(env("DB_RETRY_SECONDS", "300"))
 
 
-def with_db_retry(what: str, fn: Callable[[], T]) -> T:
+def with_db_retry(what: str, fn: Callable[[], T], *, until_written: bool = False) -> T:
     """Run a store call, retrying with backoff while the database is unreachable. A finished
-    result waits here, in memory, until it is written: the message is acked only after."""
-    deadline = time.monotonic() + db_retry_seconds()
+    result waits here, in memory, until it is written: the message is acked only after.
+
+    ``until_written``: no deadline. For the writes that end an attempt this worker holds (a
+    result, a give-back): given up after ``DB_RETRY_SECONDS`` the job stayed ``running``, its
+    lease expired and the reaper re-ran it, an attempt charged to a job for a database outage.
+    Waiting keeps the attempt's lease tracked, refreshed as soon as the database is back."""
+    deadline = float("inf") if until_written else time.monotonic() + db_retry_seconds()
     delay = 0.2
     while True:
         try:

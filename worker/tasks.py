@@ -65,7 +65,8 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
 
         died = str(death) if isinstance(death, EngineDied) else f"engine loop died: {death!r}"
         reason = reason if died in reason else died
-    if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive)):
+    if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive),
+                         until_written=True):
         return "fenced"
     try:
         publish_jobs(app, [dict(payload, id=job_id)], lambda _row: rt.queue_of(payload))
@@ -224,7 +225,8 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
     request_id = f"{job_id}#{attempt}"
     if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
         with_db_retry("fail", lambda: store.fail(
-            job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"))
+            job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"),
+            until_written=True)
         return FAILED, {"error_type": "wrong_model", "finished_at": time.time()}
     if rt.dead or rt.draining or not rt.loop.running:
         why = "drained: the worker is shutting down" if rt.draining else "engine unavailable: worker stopping"
@@ -234,7 +236,7 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
         handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id,
                                 priority=req.priority)
     except ValueError as exc:  # bad input: fail this job only, never retry it
-        with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"))
+        with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"), until_written=True)
         return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
     except RuntimeError as exc:  # the loop is shutting down or dead
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
@@ -318,7 +320,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                 to_store.append((r, values))
             if to_store:
                 stored = with_db_retry("store result", lambda: store.finish_many(
-                    [(r.job_id, r.attempt, values) for r, values in to_store]))
+                    [(r.job_id, r.attempt, values) for r, values in to_store]), until_written=True)
                 for (r, values), ok in zip(to_store, stored):
                     heartbeat.untrack(r.job_id, r.attempt)
                     rt.forget_inflight(r.job_id, r.request_id)
