@@ -518,7 +518,7 @@ def status(ctx, batch, watch, interval, window):
 
             click.echo(json.dumps(job_status(job, store.attempt_history(job.id)), indent=2))
             return  # stdout is the job's JSON alone (pipe it to jq)
-    out.print(f"database {redact_url(url)}", soft_wrap=True)
+    out.print(f"database {redact_url(url)}", overflow="fold")  # a long URL folds: piped, every line fits 80
     if not (ctx.obj["broker_url"] or broker_url_from_env()):
         # Nothing here reads the broker, but whoever looks for live workers or queues next
         # (Flower, ``cancel`` of running jobs) needs the workers' Redis: say how to name it.

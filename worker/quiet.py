@@ -1,5 +1,7 @@
 """Silence what says nothing to a user of specbatch (issue 33), each at its source:
 
+- Celery's notice, on every broker connection loss, that 6.0 will cancel acks_late tasks (we set
+  that switch ourselves).
 - Celery's ``SecurityWarning`` for a worker run as root (the usual case in a container): it
   warns about pickle, which we never accept (JSON only), and asks for ``--uid``.
 - alembic's "setup plugin ..." lines, logged at INFO whenever alembic is imported under a
@@ -18,14 +20,31 @@ import sys
 import warnings
 
 _ROOT_WARNING = r"You're running the worker with superuser privileges"
+#: Celery's notice on every broker connection loss that 6.0 will cancel acks_late tasks then: we
+#: set ``worker_cancel_long_running_tasks_on_connection_loss`` ourselves (False: running jobs go
+#: on generating through a Redis restart), so the notice says nothing to a user.
+_CANCEL_ON_LOSS = r"\s*In Celery 5\.1 we introduced an optional breaking change"
 
 
 def silence_noise() -> None:
     """The first two: cheap, idempotent, safe in any process (worker, Flower, CLI, tests)."""
     from celery.exceptions import SecurityWarning
 
+    from celery import signals
+
     warnings.filterwarnings("ignore", message=_ROOT_WARNING, category=SecurityWarning)
     quiet_alembic()
+    quiet_connection_loss_notice()
+    # Celery's worker logging setup files CPendingDeprecationWarning under "always" (ahead of
+    # ours), after worker_init: the filter goes in again once that setup is done.
+    signals.celeryd_after_setup.connect(quiet_connection_loss_notice, weak=False)
+
+
+def quiet_connection_loss_notice(*_: object, **__: object) -> None:
+    """Celery's "In Celery 5.1 we introduced an optional breaking change" on every connection loss."""
+    from celery.exceptions import CPendingDeprecationWarning
+
+    warnings.filterwarnings("ignore", message=_CANCEL_ON_LOSS, category=CPendingDeprecationWarning)
 
 
 def quiet_alembic() -> None:

@@ -51,3 +51,22 @@ def test_what_the_interpreter_writes_after_the_exit_handlers_is_silenced():
     ours = _python("from worker.quiet import quiet_finalization; quiet_finalization()\n" + _LATE_WRITER
                    + "import atexit, sys; atexit.register(lambda: print('bye', file=sys.stderr, flush=True))")
     assert "nanobind" not in ours.stderr and "bye" in ours.stderr  # other exit handlers still speak
+
+
+#: Celery's worker logging setup (``app.log.setup``: warnings "always") then a connection loss.
+_CONNECTION_LOSS = """
+import warnings
+from celery import signals
+from celery.exceptions import CPendingDeprecationWarning
+from celery.worker.consumer.consumer import CANCEL_TASKS_BY_DEFAULT
+warnings.filterwarnings('always', category=CPendingDeprecationWarning)
+signals.celeryd_after_setup.send(sender='w@host', instance=None, conf=None)
+warnings.warn(CANCEL_TASKS_BY_DEFAULT, CPendingDeprecationWarning)
+"""
+
+
+def test_celerys_notice_on_each_connection_loss_is_silenced():
+    plain = _python(_CONNECTION_LOSS)
+    assert "In Celery 5.1 we introduced" in plain.stderr, plain.stderr
+    ours = _python("import worker.app\n" + _CONNECTION_LOSS)
+    assert ours.returncode == 0 and "In Celery 5.1" not in ours.stderr, ours.stderr
