@@ -27,12 +27,12 @@ def smoke(workdir: Path) -> None:
     import transformers.integrations.hub_kernels  # noqa: F401
 
     import specbatch_kernels  # noqa: F401
-    import worker.app  # noqa: F401  (Celery app, kombu, redis)
-    import worker.cli  # noqa: F401
+    import worker.dispatch.app  # noqa: F401  (Celery app, kombu, redis)
+    import worker.api.cli  # noqa: F401
     from engine import LLM, SamplingParams
     from engine.model_hub import load_causal_lm
     from engine.testing import make_tiny_model
-    from worker.store import Store
+    from worker.store.store import Store
 
     path = str(make_tiny_model(workdir / "tiny", logit_scale=8.0))
     prompt = "The quick brown fox"

@@ -67,7 +67,7 @@ class Database:
             with psycopg.connect(PG_URL.replace("+psycopg", ""), autocommit=True) as conn:
                 conn.execute(f'CREATE SCHEMA "{self.schema}"')
             self.url = f"{PG_URL}?options=-csearch_path%3D{self.schema}"
-        from worker.store import Store
+        from worker.store.store import Store
 
         Store(self.url, auto_upgrade=True).dispose()
 
@@ -81,7 +81,7 @@ class Database:
 
 def cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as fh:
-        return subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, stdout=fh,
+        return subprocess.Popen([sys.executable, "-m", "worker.api.cli", *args], env=env, cwd=ROOT, stdout=fh,
                                 stderr=subprocess.STDOUT)
 
 
@@ -185,14 +185,14 @@ def redis_used(client) -> int:
 def first_claim(db: Database, broker: str, src: Path, tmp: Path) -> dict:
     """A ready worker on a tiny model, then ``specbatch run`` of ``src``: seconds to the first claim."""
     from engine.testing import make_tiny_model
-    from worker.client import Client
-    from worker.store import Store
+    from worker.api.client import Client
+    from worker.store.store import Store
 
     model = str(make_tiny_model(tmp / f"tiny-{uuid.uuid4().hex[:6]}"))
     queue = f"gen.bench-first-{uuid.uuid4().hex[:6]}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=queue)
     log = open(tmp / "first-claim-worker.log", "wb")
-    worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "--broker-url", broker, "--database-url", db.url,
+    worker = subprocess.Popen([sys.executable, "-m", "worker.api.cli", "--broker-url", broker, "--database-url", db.url,
                                "worker", "--model", model, "--queue", queue, "--max-num-seqs", "8",
                                "--loglevel", "warning"], env=env, cwd=ROOT, stdout=log, stderr=log)
     client = Client(broker_url=broker, database_url=db.url, model=model, queue=queue)
@@ -226,7 +226,7 @@ def first_claim(db: Database, broker: str, src: Path, tmp: Path) -> dict:
 def _earliest_start(store) -> float | None:
     from sqlalchemy import func, select
 
-    from worker.models import Job
+    from worker.store.models import Job
 
     with store.reader.connect() as conn:
         return conn.execute(select(func.min(Job.started_at))).scalar()

@@ -51,7 +51,7 @@ def resolve(model: str, workdir: Path) -> str:
 def bulk_tokens(store, batch_id: str, start: float, end: float) -> int:
     from sqlalchemy import func, select
 
-    from worker.models import SUCCEEDED, Job
+    from worker.store.models import SUCCEEDED, Job
 
     with store.reader.connect() as conn:
         return conn.execute(
@@ -98,9 +98,9 @@ def interactive_wave(client, n: int, rate: float, params: dict, priority: str, t
 
 
 def scenario(name: str, model: str, args, workdir: Path) -> dict:
-    from worker.client import Client
+    from worker.api.client import Client
     from worker.config import Settings
-    from worker.local import LocalWorker
+    from worker.run.local import LocalWorker
 
     queue = f"gen.prio-{name}-{uuid.uuid4().hex[:6]}"
     db_url = f"sqlite:///{workdir / (name + '.db')}"

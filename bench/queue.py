@@ -113,9 +113,9 @@ class QueuePath:
 
     def __init__(self, model: str, max_num_seqs: int, broker: str | None, db_url: str, workdir: Path,
                  metrics: bool = True) -> None:
-        from worker.client import Client
+        from worker.api.client import Client
         from worker.config import Settings
-        from worker.local import LocalWorker
+        from worker.run.local import LocalWorker
 
         self.model, self.db_url, self.workdir, self.metrics = model, db_url, workdir, metrics
         self.queue = f"gen.bench-{uuid.uuid4().hex[:8]}"
@@ -159,7 +159,7 @@ class QueuePath:
         return got.get("specbatch:step_duration_seconds_count", 0.0), got.get("specbatch:step_duration_seconds_sum", 0.0)
 
     def run(self, convs, params: dict, round_no: int) -> dict:
-        from worker.summary import summarize
+        from worker.api.summary import summarize
 
         name = f"{self.queue}-r{round_no}"
         src = self.workdir / f"bench-r{round_no}.jsonl"
@@ -171,7 +171,7 @@ class QueuePath:
         steps0 = self.step_figures() if self.metrics else (0.0, 0.0)
         t0 = time.perf_counter()
         cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        res = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", self.db_url, "run", str(src),
+        res = subprocess.run([sys.executable, "-m", "worker.api.cli", "--database-url", self.db_url, "run", str(src),
                               "-o", str(self.workdir / f"bench-r{round_no}.out.jsonl"), "--model", self.model,
                               "--no-local-worker", "--batch-name", name], env=env, capture_output=True, text=True)
         cli_wall = time.perf_counter() - t0
@@ -199,7 +199,7 @@ class QueuePath:
 def bench_submit(n: int, broker: str | None, db_url: str) -> dict:
     import redis
 
-    from worker.client import Client
+    from worker.api.client import Client
 
     queue = f"gen.submitbench-{uuid.uuid4().hex[:8]}"
     client = Client(broker_url=broker, database_url=db_url, model="bench-model", queue=queue)

@@ -63,9 +63,9 @@ def service_cpu_seconds() -> dict[str, float]:
 def run_workers(model: str, devices: list[str], lines: list[dict], broker: str, db_url: str, workdir: Path,
                 max_num_seqs: int) -> dict:
     """Start one worker per device on a fresh queue, run ``lines`` through it, stop them."""
-    from worker.client import Client
+    from worker.api.client import Client
     from worker.config import Settings
-    from worker.local import LocalWorker
+    from worker.run.local import LocalWorker
 
     queue = f"gen.scale-{uuid.uuid4().hex[:8]}"
     client = Client(broker_url=broker, database_url=db_url, model=model, queue=queue)
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--skip-slots", action="store_true")
     ap.add_argument("--skip-hosts", action="store_true")
     args = ap.parse_args()
-    from worker.store import Store
+    from worker.store.store import Store
 
     Store(args.database_url, auto_upgrade=True)
     cores = len(os.sched_getaffinity(0))

@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--chaos", action="store_true", help="one fault of each kind instead of periodic kills")
     args = ap.parse_args()
-    from worker.quiet import quiet_finalization
+    from worker.run.quiet import quiet_finalization
 
     quiet_finalization()  # triton's nanobind leak report at exit says nothing about the run
     if args.chaos:
@@ -64,10 +64,10 @@ def main() -> None:
     args.jobs = args.jobs or 10_000
 
     from engine.testing import make_tiny_model
-    from worker.client import Client
+    from worker.api.client import Client
     from worker.config import Settings
-    from worker.local import LocalWorker
-    from worker.models import QUEUED, RUNNING, SUCCEEDED
+    from worker.run.local import LocalWorker
+    from worker.store.models import QUEUED, RUNNING, SUCCEEDED
 
     tmp = Path(tempfile.mkdtemp(prefix="specbatch-soak-"))
     model = str(make_tiny_model(tmp / "model"))
@@ -93,7 +93,7 @@ def main() -> None:
         """Record, per orphaned job, when it left its dead attempt (requeued or re-claimed)."""
         from sqlalchemy import select
 
-        from worker.models import Job
+        from worker.store.models import Job
 
         pending = dict(orphans)
         while pending and time.time() - killed_at < 300:

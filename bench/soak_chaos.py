@@ -64,11 +64,11 @@ def run_chaos(args: Any) -> int:
 
     from engine.testing import make_tiny_model
     from tests.faults.conftest import RedisServer, TcpProxy, engine_pid
-    from worker.client import Client
+    from worker.api.client import Client
     from worker.config import Settings
-    from worker.local import LocalWorker
-    from worker.models import FAILED, QUEUED, RUNNING, SUCCEEDED
-    from worker.store import Store
+    from worker.run.local import LocalWorker
+    from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
+    from worker.store.store import Store
 
     tmp = Path(tempfile.mkdtemp(prefix="specbatch-chaos-"))
     model = str(make_tiny_model(tmp / "model"))
@@ -213,7 +213,7 @@ def run_chaos(args: Any) -> int:
 def _histories(store: Any, job_ids: list[str]) -> list[Any]:
     from sqlalchemy import select
 
-    from worker.models import JobAttempt
+    from worker.store.models import JobAttempt
 
     out = []
     with store.Session() as s:

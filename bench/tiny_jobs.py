@@ -31,7 +31,7 @@ def fresh_pg_schema() -> str:
     """A schema of this run's own in the PostgreSQL database, migrated (``specbatch db upgrade``)."""
     import psycopg
 
-    from worker.store import Store
+    from worker.store.store import Store
 
     schema = f"bench_tiny_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(PG_URL.replace("+psycopg", ""), autocommit=True) as conn:
@@ -93,9 +93,9 @@ class QueuePath:
 
     def __init__(self, model: str, max_num_seqs: int, db_url: str, workdir: Path,
                  engine_threads: int | None, concurrency: int | None = None) -> None:
-        from worker.client import Client
+        from worker.api.client import Client
         from worker.config import Settings
-        from worker.local import LocalWorker
+        from worker.run.local import LocalWorker
 
         self.queue = f"gen.tiny-{uuid.uuid4().hex[:8]}"
         self.client = Client(database_url=db_url, model=model, queue=self.queue)

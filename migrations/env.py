@@ -1,4 +1,4 @@
-"""Alembic environment: runs on a connection handed in by ``worker.migrate`` (so tests and
+"""Alembic environment: runs on a connection handed in by ``worker.store.migrate`` (so tests and
 the CLI share their engine and PostgreSQL ``search_path``), or on ``DATABASE_URL``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 from alembic import context
 from sqlalchemy import create_engine
 
-from worker.models import Base
+from worker.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -44,6 +44,16 @@ def lease_seconds() -> float:
     return float(env("LEASE_SECONDS", "60"))
 
 
+def heartbeat_seconds() -> float:
+    """How often a worker refreshes the leases of its running jobs (well under the lease)."""
+    return float(env("HEARTBEAT_SECONDS", "2"))
+
+
+def max_attempts() -> int:
+    """A job whose attempts fail this many times ends failed."""
+    return int(env("MAX_ATTEMPTS", "3"))
+
+
 def visibility_timeout() -> float:
     """Redis redelivers an unacked message this long after a worker *reserved* it.
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from worker.config import queue_name
-from worker.lanes import lane_queues
+from worker.dispatch.lanes import lane_queues
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine import EngineLoop, LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from worker.request import request_from_payload
+from worker.request.convert import request_from_payload
 
 CONTEXT = 48
 

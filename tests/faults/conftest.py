@@ -16,7 +16,7 @@ import pytest
 
 from tests.worker.conftest import pg_url, redis_url, sqlite_url, unique_queue  # noqa: F401  (fixtures)
 from worker.config import Settings
-from worker.local import LocalWorker
+from worker.run.local import LocalWorker
 
 pytestmark = pytest.mark.integration
 

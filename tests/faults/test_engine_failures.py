@@ -15,9 +15,9 @@ from pathlib import Path
 import redis
 
 from tests.faults.conftest import LEASE, engine_pid, stored_results, wait_until
-from worker.client import Client
-from worker.models import FAILED, QUEUED, SUCCEEDED
-from worker.exit_codes import EXIT_ENGINE_BUILD_FAILED, EXIT_ENGINE_DIED
+from worker.api.client import Client
+from worker.store.models import FAILED, QUEUED, SUCCEEDED
+from worker.run.exit_codes import EXIT_ENGINE_BUILD_FAILED, EXIT_ENGINE_DIED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_engine_that_cannot_be_built_takes_no_message(workers):
 
     # `specbatch status` shows it (a crash loop is visible to whoever looks).
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="250")
-    shown = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", settings.database_url, "status"],
+    shown = subprocess.run([sys.executable, "-m", "worker.api.cli", "--database-url", settings.database_url, "status"],
                            env=env, capture_output=True, text=True, timeout=120)
     assert f"{broken.node}  exited {EXIT_ENGINE_BUILD_FAILED}" in shown.stdout, shown.stdout + shown.stderr
 
@@ -59,7 +59,7 @@ def test_status_shows_a_killed_worker_lost(workers):
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_LEASE_SECONDS=str(LEASE))
 
     def shown() -> str:
-        out = subprocess.run([sys.executable, "-m", "worker.cli", "--database-url", workers.settings.database_url,
+        out = subprocess.run([sys.executable, "-m", "worker.api.cli", "--database-url", workers.settings.database_url,
                               "status"], env=env, capture_output=True, text=True, timeout=120).stdout
         (line,) = [line for line in out.splitlines() if line.startswith(worker.node + " ")]
         return line[len(worker.node):].strip()
@@ -149,7 +149,7 @@ def test_specbatch_run_restarts_its_local_worker(tiny_model, redis_url, unique_q
                SPECBATCH_FAULTS=json.dumps({"loop_dies_after_steps": 30}))
     env.pop("DATABASE_URL", None)
     res = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "--broker-url", redis_url, "--database-url",
+        [sys.executable, "-m", "worker.api.cli", "--broker-url", redis_url, "--database-url",
          f"sqlite:///{tmp_path / 'sb.db'}", "run", str(src), "-o", str(out), "--model", tiny_model,
          "--max-num-seqs", "4"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.faults.conftest import RedisServer, TcpProxy, Workers, stored_results, wait_until
-from worker.client import Client
+from worker.api.client import Client
 from worker.config import Settings
-from worker.models import CANCELLED, QUEUED, RUNNING, SUCCEEDED
-from worker.store import Store
+from worker.store.models import CANCELLED, QUEUED, RUNNING, SUCCEEDED
+from worker.store.store import Store
 
 SLOW = {"SPECBATCH_FAULTS": '{"step_sleep_s": 0.02}'}
 
@@ -165,8 +165,8 @@ def test_the_reaper_gives_live_workers_a_lease_after_a_database_outage(pg_url, r
     """While the database was away nobody could heartbeat: every lease looks expired when it
     comes back. The reaper waits one lease before reaping, so a live worker's job is refreshed
     (not re-run, not charged an attempt); a dead worker's job is still reaped after that lease."""
-    from worker.reaper import Reaper
-    from worker.store import job_row
+    from worker.run.reaper import Reaper
+    from worker.store.store import job_row
 
     url = make_url(pg_url)
     proxy = TcpProxy(url.port or 5432)

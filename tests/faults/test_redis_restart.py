@@ -4,7 +4,7 @@ First the failure itself, made to happen every time with plain kombu: a consumer
 unacked messages (``acks_late``) and a pidbox-like fanout channel, Redis killed, then the
 sequence Celery runs on a connection error (``collect``, then ``close``). Kombu's own close
 raises ``AttributeError: 'NoneType' object has no attribute 'hostname'``, Celery's
-"Unrecoverable error" (cause: ``worker.kombu_redis``). With our repairs the same sequence
+"Unrecoverable error" (cause: ``worker.dispatch.kombu_redis``). With our repairs the same sequence
 closes cleanly, and a message delivered before the outage is acked on the restarted Redis.
 
 Then the whole worker: jobs running, Redis killed and started again 10 s and then 60 s later,
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.faults.conftest import RedisServer, Workers, stored_results, wait_until
-from worker.client import Client
+from worker.api.client import Client
 from worker.config import Settings
-from worker.models import QUEUED, RUNNING, SUCCEEDED
+from worker.store.models import QUEUED, RUNNING, SUCCEEDED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,12 +79,12 @@ print(json.dumps(outcome), flush=True)
 
 
 def _run_sequence(redis_server: RedisServer, tmp_path: Path, *, repaired: bool) -> tuple[dict, dict]:
-    """Run ``_SEQUENCE`` in a child (plain kombu, or with ``worker.kombu_redis`` applied),
+    """Run ``_SEQUENCE`` in a child (plain kombu, or with ``worker.dispatch.kombu_redis`` applied),
     killing Redis at its signal and starting it again before the late ack."""
     import json
 
     kill_file = tmp_path / f"kill-{repaired}"
-    prelude = "import worker.kombu_redis as k; k.apply()\n" if repaired else ""
+    prelude = "import worker.dispatch.kombu_redis as k; k.apply()\n" if repaired else ""
     child = subprocess.Popen([sys.executable, "-c", prelude + _SEQUENCE, redis_server.url, str(kill_file)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -207,7 +207,7 @@ def test_worker_waits_out_a_database_cut(retry_s, pg_url, redis_url, unique_queu
     from sqlalchemy.engine import make_url
 
     from tests.faults.conftest import TcpProxy
-    from worker.store import Store
+    from worker.store.store import Store
 
     url = make_url(pg_url)
     proxy = TcpProxy(url.port or 5432)

@@ -43,7 +43,7 @@ def test_a_run_killed_mid_way_leaves_valid_jsonl_that_a_rerun_completes_once(red
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue, **FAST_RECOVERY_ENV,
                SPECBATCH_WORKER_LOG=str(tmp_path / "worker.log"))
     env.pop("DATABASE_URL", None)
-    cmd = [sys.executable, "-m", "worker.cli", "--broker-url", redis_url, "--database-url", sqlite_url,
+    cmd = [sys.executable, "-m", "worker.api.cli", "--broker-url", redis_url, "--database-url", sqlite_url,
            "run", str(src), "-o", str(out), "--model", tiny_model, "--max-num-seqs", "4"]
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=log, start_new_session=True)
@@ -78,7 +78,7 @@ def _parse_child(cli_pid: int, src: Path) -> int | None:
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != cli_pid or b"worker.parse_process" not in (entry / "cmdline").read_bytes():
+            if ppid != cli_pid or b"worker.ingest.parse_process" not in (entry / "cmdline").read_bytes():
                 continue
             if any(os.readlink(fd) == str(src) for fd in (entry / "fd").iterdir()):
                 return int(entry.name)
@@ -100,10 +100,10 @@ def test_the_parsing_process_dies_with_a_killed_run_and_a_rerun_stores_every_lin
         for i in range(1, n + 1):
             fh.write(json.dumps({"custom_id": f"r{i}", "messages": [{"role": "user", "content": f"say {i} " * 12}],
                                  "max_tokens": 1}) + "\n")
-    assert src.stat().st_size > 8 << 20  # large enough for a parsing process (worker.ingest.CHILD_MIN_BYTES)
+    assert src.stat().st_size > 8 << 20  # large enough for a parsing process (worker.ingest.stream.CHILD_MIN_BYTES)
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=unique_queue)
     env.pop("DATABASE_URL", None)
-    cmd = [sys.executable, "-m", "worker.cli", "--broker-url", redis_url, "--database-url", sqlite_url,
+    cmd = [sys.executable, "-m", "worker.api.cli", "--broker-url", redis_url, "--database-url", sqlite_url,
            "run", str(src), "--detach", "--no-local-worker", "--batch-name", "big"]
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=log)

@@ -9,8 +9,8 @@ import signal
 import time
 
 from tests.faults.conftest import LEASE, SWEEP, engine_pid, process_gone, stored_results, wait_until
-from worker.client import Client
-from worker.models import RUNNING, SUCCEEDED
+from worker.api.client import Client
+from worker.store.models import RUNNING, SUCCEEDED
 
 N_JOBS = 160
 SLOW = {"SPECBATCH_FAULTS": '{"step_sleep_s": 0.02}'}  # a slower model, so a batch lasts long enough to kill

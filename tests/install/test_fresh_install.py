@@ -141,7 +141,7 @@ def wheel_venv(tmp_path_factory) -> Path:
 def test_a_wheel_holds_every_package_and_the_migrations(wheel_venv, tmp_path):
     where = subprocess.run([str(wheel_venv / "bin" / "python"), "-c", (
         "import json, engine, worker, specbatch_kernels, specbatch_migrations, kernels\n"
-        "from worker.migrate import migrations_dir\n"
+        "from worker.store.migrate import migrations_dir\n"
         "print(json.dumps({m.__name__: m.__file__ for m in (engine, worker, specbatch_kernels, specbatch_migrations,"
         " kernels)} | {'dir': str(migrations_dir())}))")],
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
@@ -171,7 +171,7 @@ def test_a_wheel_install_migrates_then_runs_the_main_job(wheel_venv, tmp_path):
         tables = set(sqlalchemy.inspect(conn).get_table_names())
         version = conn.execute(sqlalchemy.text("SELECT version_num FROM alembic_version")).scalar_one()
     assert {"batches", "jobs", "workers"} <= tables
-    from worker.migrate import head_revision
+    from worker.store.migrate import head_revision
 
     assert version == head_revision()
 

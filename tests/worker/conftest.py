@@ -69,7 +69,7 @@ def redis_url():
         r = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
         r.ping()
     except Exception:
-        from worker.embedded import embedded_redis_url
+        from worker.dispatch.embedded import embedded_redis_url
 
         yield embedded_redis_url()
         return

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.app import make_app
+from worker.dispatch.app import make_app
 from worker.config import queue_name, visibility_timeout
-from worker.runtime import pin_device, worker_name
+from worker.run.runtime import pin_device, worker_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_pin_device_sets_cuda_visible_devices(monkeypatch):
 def test_worker_command_pins_before_torch():
     """`specbatch worker --device cuda:1` must set the variable before torch is imported."""
     code = (
-        "import sys, worker.cli as cli, worker.app as a\n"
+        "import sys, worker.api.cli as cli, worker.dispatch.app as a\n"
         "a.app.worker_main = lambda argv: print('ARGV', ' '.join(argv), 'TORCH', 'torch' in sys.modules)\n"
         "import os; cli.cli(['--broker-url', 'redis://127.0.0.1:6379/0', 'worker', '--device', 'cuda:1',"
         " '--model', 'm'], standalone_mode=False)\n"

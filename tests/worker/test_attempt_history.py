@@ -9,9 +9,9 @@ import time
 
 from click.testing import CliRunner
 
-from worker.cli import cli
-from worker.models import FAILED, QUEUED, RUNNING, SUCCEEDED
-from worker.store import Store, job_row
+from worker.api.cli import cli
+from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
+from worker.store.store import Store, job_row
 
 
 def _claim(store: Store, job_id: str, worker: str, lease_s: float = 60.0):

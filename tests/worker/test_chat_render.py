@@ -1,4 +1,4 @@
-"""Chat templates rendered by substitution (``worker.chat_render``) give exactly what the
+"""Chat templates rendered by substitution (``worker.request.chat_render``) give exactly what the
 template gives, and a template that transforms content or refuses a shape is still rendered by
 the template itself."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from worker.chat_render import ChatRenderer
+from worker.request.chat_render import ChatRenderer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "One word about the sea (#0)."}],

@@ -22,7 +22,7 @@ def chat(cid, content, **body):
 
 
 def run_cli(args, env, cwd):
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], env=env, cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "worker.api.cli", *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=240)
 
 

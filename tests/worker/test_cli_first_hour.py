@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from worker.cli import cli
-from worker.formats import parse_line
-from worker.models import SUCCEEDED
-from worker.status_view import render, take_snapshot
-from worker.store import Store, job_row
+from worker.api.cli import cli
+from worker.request.formats import parse_line
+from worker.store.models import SUCCEEDED
+from worker.api.status_view import render, take_snapshot
+from worker.store.store import Store, job_row
 
 
 @pytest.fixture(scope="module")

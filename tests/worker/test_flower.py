@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 def start_flower(redis_url: str, queue: str, port: int, tmp_path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, REDIS_URL=redis_url, SPECBATCH_BROKER_URL=redis_url)
     log = open(tmp_path / f"flower-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "flower", "--port", str(port), "--queue", queue,
+    proc = subprocess.Popen([sys.executable, "-m", "worker.api.cli", "flower", "--port", str(port), "--queue", queue,
                              *args], env=env, stdout=log, stderr=log)
     deadline = time.monotonic() + 60
     while True:
@@ -67,7 +67,7 @@ def page_shows(driver, url: str, text: str, timeout: float = 60.0) -> None:
 
 def test_flower_shows_jobs_workers_and_queues(browser, sqlite_url, redis_url, unique_queue, tiny_model_dir,
                                               tmp_path):
-    from worker.client import Client
+    from worker.api.client import Client
 
     port = free_port()
     flower = start_flower(redis_url, unique_queue, port, tmp_path)
@@ -92,7 +92,7 @@ def test_flower_shows_jobs_workers_and_queues(browser, sqlite_url, redis_url, un
         assert "tell me about" not in body  # never the prompt
         browser.save_screenshot(str(shots / "flower-tasks.png"))
 
-        # The batch's six short jobs travelled in one message (worker.publish.job_groups): its
+        # The batch's six short jobs travelled in one message (worker.dispatch.publish.job_groups): its
         # page, reached from the probe's row, shows what became of them.
         row = browser.find_element(By.XPATH, f"//tr[contains(., '{probe}')]")
         page_shows(browser, row.find_element(By.TAG_NAME, "a").get_attribute("href"), "'succeeded': 6")
@@ -127,7 +127,7 @@ def test_flower_with_basic_auth_answers_401_without_credentials(redis_url, uniqu
 def test_flower_refuses_a_public_address_without_auth(redis_url):
     env = dict(os.environ, REDIS_URL=redis_url)
     env.pop("FLOWER_BASIC_AUTH", None)
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "flower", "--address", "0.0.0.0"], env=env,
+    done = subprocess.run([sys.executable, "-m", "worker.api.cli", "flower", "--address", "0.0.0.0"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "without authentication" in done.stderr
@@ -136,7 +136,7 @@ def test_flower_refuses_a_public_address_without_auth(redis_url):
 def test_flower_without_a_broker_says_how_to_point_it_at_the_workers():
     """Without a broker URL it once watched a private embedded Redis where no worker can appear."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPECBATCH_BROKER_URL")}
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "flower"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "worker.api.cli", "flower"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())

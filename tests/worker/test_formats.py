@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
-from worker.formats import BadLine, Request, check_lengths, output_line, parse_line, parse_lines
+from worker.request.formats import BadLine, Request, check_lengths, output_line, parse_line, parse_lines
 
 
 def chat_line(cid="a", **body):

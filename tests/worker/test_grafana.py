@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, EngineLoop
-from worker.metrics import WorkerMetrics
+from worker.run.metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "specbatch-dashboard.json"
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 from sqlalchemy import text
 
-from worker.models import RUNNING, SUCCEEDED
-from worker.store import Store
+from worker.store.models import RUNNING, SUCCEEDED
+from worker.store.store import Store
 
 
 def test_concurrent_claims_and_results_share_transactions_and_each_gets_its_answer(db_url):

@@ -12,12 +12,12 @@ import pytest
 import redis
 
 from worker import ingest as ingest_module
-from worker.client import Client
-from worker.ingest import Ingest, SeenIds
-from worker.lanes import lane_queues
-from worker.models import FAILED, QUEUED, SUCCEEDED
-from worker.pacer import Pacer
-from worker.store import INVALID_INPUT, Store
+from worker.api.client import Client
+from worker.ingest.stream import Ingest, SeenIds
+from worker.dispatch.lanes import lane_queues
+from worker.store.models import FAILED, QUEUED, SUCCEEDED
+from worker.dispatch.pacer import Pacer
+from worker.store.store import INVALID_INPUT, Store
 
 from tests.worker.test_lanes import producer  # noqa: F401  (fixture: a client with a 20-message pacing window)
 
@@ -145,8 +145,8 @@ def test_iter_results_reads_rows_only_as_they_finish_in_input_order(producer):
 
 
 def test_token_counts_in_one_batch_equal_one_by_one(tiny_model_dir):
-    from worker.formats import parse_line
-    from worker.validate import TokenCounter
+    from worker.request.formats import parse_line
+    from worker.request.validate import TokenCounter
 
     counter = TokenCounter(tiny_model_dir)
     raw = [{"prompt": "hello there"}, {"messages": [{"role": "system", "content": "be brief"},
@@ -162,7 +162,7 @@ def test_token_counts_in_one_batch_equal_one_by_one(tiny_model_dir):
 def test_a_logit_bias_that_leaves_no_token_is_refused_at_validation(producer, tiny_model_dir, tmp_path):
     """Nothing but garbage can come of it: it fails at validation naming the line (never queued),
     as does a bias naming a token past the vocabulary; a bias that leaves one token runs."""
-    from worker.validate import TokenCounter
+    from worker.request.validate import TokenCounter
 
     counter = TokenCounter(tiny_model_dir)
     vocab = counter.vocab_size
@@ -182,7 +182,7 @@ def test_a_logit_bias_that_leaves_no_token_is_refused_at_validation(producer, ti
 def test_a_chunk_written_twice_keeps_one_row_each(db_url):
     """PostgreSQL writes a new batch's rows with COPY; rows that exist already make it fall back
     to the upsert, which skips them (SQLite upserts always)."""
-    from worker.store import job_row
+    from worker.store.store import job_row
 
     store = Store(db_url, auto_upgrade=True)
     batch_id, _ = store.open_batch(name="twice", input_file=None, model="m")
@@ -229,9 +229,9 @@ def _child_started(ingest: Ingest) -> None:
 
 
 def test_a_file_parsed_in_a_child_process_gives_the_jobs_parsed_in_process(producer, tiny_model_dir, tmp_path):
-    """Once the child (``worker.parse_process``) is ready it parses the rest of the file: rows,
+    """Once the child (``worker.ingest.parse_process``) is ready it parses the rest of the file: rows,
     errors, duplicates (across the hand-over too) and context checks are the same as parsed here."""
-    from worker.validate import TokenCounter
+    from worker.request.validate import TokenCounter
 
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(_mixed_lines(700)) + "\n")
@@ -275,7 +275,7 @@ def test_a_parsing_process_killed_before_it_is_ready_leaves_the_file_to_the_pare
             ingest.parser.proc.wait()
 
     ingest = _ingest(producer, chunk=100, first_chunk=50, child_min_bytes=0, on_chunk=kill_child)
-    with caplog.at_level("WARNING", logger="worker.ingest"):
+    with caplog.at_level("WARNING", logger="worker.ingest.stream"):
         result = ingest.run(src, name="b", input_file=None)
     assert result.parsed_in_child == 0 and result.num_good == 900
     assert "the parsing process died (killed by signal 9)" in caplog.text

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from worker.config import Settings
-from worker.local import LocalWorker
-from worker.models import SUCCEEDED
+from worker.run.local import LocalWorker
+from worker.store.models import SUCCEEDED
 
 pytestmark = pytest.mark.integration
 
@@ -48,9 +48,9 @@ def wait_until(predicate, timeout=120.0, poll=0.05):
 
 
 def test_worker_merges_jobs_submitted_while_running(db_url, redis_url, unique_queue, tiny_model, tmp_path):
-    from worker.client import Client
+    from worker.api.client import Client
 
-    from worker.store import Store
+    from worker.store.store import Store
 
     store = Store(db_url, auto_upgrade=True)  # PostgreSQL is migrated explicitly, as in a deploy step
     client = Client(broker_url=redis_url, database_url=db_url, model=tiny_model, queue=unique_queue, store=store)
@@ -110,7 +110,7 @@ def test_worker_merges_jobs_submitted_while_running(db_url, redis_url, unique_qu
 
 def test_duplicate_messages_in_flight_yield_one_result(sqlite_url, redis_url, unique_queue, tiny_model, tmp_path):
     """The same message twice *before* the job ran: one copy generates, the other skips."""
-    from worker.client import Client
+    from worker.api.client import Client
 
     client = Client(broker_url=redis_url, database_url=sqlite_url, model=tiny_model, queue=unique_queue)
     settings = Settings(broker_url=redis_url, database_url=sqlite_url, model=tiny_model, device="cpu",

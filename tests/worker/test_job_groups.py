@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from worker.publish import GROUP_HEADER, generation_budget, job_groups, publish_jobs, queued_job_ids
+from worker.dispatch.publish import GROUP_HEADER, generation_budget, job_groups, publish_jobs, queued_job_ids
 
 
 def _row(i: int, max_tokens: int | None, queue: str = "q", n: int | None = None) -> dict:
@@ -45,7 +45,7 @@ def test_a_batch_of_short_jobs_becomes_few_messages_and_the_sweep_sees_every_job
                                                                                  unique_queue):
     import redis
 
-    from worker.client import Client
+    from worker.api.client import Client
 
     client = Client(broker_url=redis_url, database_url=sqlite_url, model="tiny", queue=unique_queue)
     short = [{"custom_id": f"s{i}", "prompt": f"short {i}", "max_tokens": 1} for i in range(100)]
@@ -75,9 +75,9 @@ def test_the_pacing_window_counts_messages_and_asks_a_batch_for_as_many_jobs_as_
         sqlite_url, redis_url, unique_queue, monkeypatch):
     import redis
 
-    from worker.client import Client
-    from worker.lanes import lane_queues
-    from worker.pacer import Pacer
+    from worker.api.client import Client
+    from worker.dispatch.lanes import lane_queues
+    from worker.dispatch.pacer import Pacer
 
     monkeypatch.setenv("SPECBATCH_PACING_WINDOW", "4")
     client = Client(broker_url=redis_url, database_url=sqlite_url, model="tiny", queue=unique_queue)
@@ -108,15 +108,15 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
     """One group message: good jobs, one already succeeded, one cancelled before it ran, one for
     another model, one unknown id without a payload, a malformed entry and a duplicate. The
     good ones succeed once, each bad one ends as it would alone, the worker lives on."""
-    from worker.app import GROUP_TASK_NAME
-    from worker.client import Client
+    from worker.dispatch.app import GROUP_TASK_NAME
+    from worker.api.client import Client
     from worker.config import Settings
-    from worker.models import CANCELLED, FAILED, SUCCEEDED
-    from worker.publish import payload_of
+    from worker.store.models import CANCELLED, FAILED, SUCCEEDED
+    from worker.dispatch.publish import payload_of
 
     from tests.worker.test_integration import start_worker, wait_until
 
-    from worker.store import Store
+    from worker.store.store import Store
 
     store = Store(db_url, auto_upgrade=True)  # PostgreSQL is migrated explicitly, as in a deploy step
     client = Client(broker_url=redis_url, database_url=db_url, model=tiny_model, queue=unique_queue, store=store)

@@ -1,4 +1,4 @@
-"""worker.json_text.dumps writes exactly what json.dumps writes, for any JSON value."""
+"""worker.store.json_text.dumps writes exactly what json.dumps writes, for any JSON value."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.json_text import dumps
+from worker.store.json_text import dumps
 
 _SCALARS = (st.none() | st.booleans() | st.integers(min_value=-10**40, max_value=10**40)
             | st.floats(allow_nan=True, allow_infinity=True) | st.text())  # lone surrogates included

@@ -9,13 +9,13 @@ import time
 import pytest
 import redis
 
-from worker.client import Client
+from worker.api.client import Client
 from worker.config import Settings
-from worker.lanes import lane_queue, lane_queues, parse_priority
-from worker.models import QUEUED, RUNNING, SUCCEEDED
-from worker.pacer import Pacer
-from worker.reaper import Reaper
-from worker.store import Store
+from worker.dispatch.lanes import lane_queue, lane_queues, parse_priority
+from worker.store.models import QUEUED, RUNNING, SUCCEEDED
+from worker.dispatch.pacer import Pacer
+from worker.run.reaper import Reaper
+from worker.store.store import Store
 
 from tests.worker.test_integration import start_worker, wait_until
 
@@ -162,7 +162,7 @@ def test_an_interactive_job_behind_2000_bulk_jobs_starts_within_one_engine_step(
 
 
 def test_a_lines_user_is_stored_and_returned(producer):
-    from worker.formats import output_line
+    from worker.request.formats import output_line
 
     sub = producer.submit_batch([
         {"custom_id": "u", "method": "POST", "url": "/v1/chat/completions",

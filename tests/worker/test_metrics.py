@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker.config import Settings
-from worker.local import LocalWorker
-from worker.models import FAILED, SUCCEEDED
+from worker.run.local import LocalWorker
+from worker.store.models import FAILED, SUCCEEDED
 
 pytestmark = pytest.mark.integration
 
@@ -43,8 +43,8 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 def test_worker_metrics_move_with_the_jobs_and_end_equal_to_the_store(sqlite_url, redis_url, unique_queue,
                                                                       tiny_model_dir, tmp_path):
-    from worker.client import Client
-    from worker.store import Store
+    from worker.api.client import Client
+    from worker.store.store import Store
 
     port = free_port()
     store = Store(sqlite_url, auto_upgrade=True)

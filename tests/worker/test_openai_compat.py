@@ -25,10 +25,10 @@ from pydantic import BaseModel, ConfigDict
 
 from engine import LLM, SamplingParams
 from engine.testing import make_tiny_model
-from worker.formats import BadLine, Request, error_param, output_line, parse_line
-from worker.openai_fields import RULES, fields_for, render_table
-from worker.request import request_from_payload
-from worker.tasks import result_values
+from worker.request.formats import BadLine, Request, error_param, output_line, parse_line
+from worker.request.openai_fields import RULES, fields_for, render_table
+from worker.request.convert import request_from_payload
+from worker.run.tasks import result_values
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ UPSTREAM = {
 def test_every_upstream_field_is_classified_for_its_endpoint():
     for (endpoint, source), names in UPSTREAM.items():
         missing = sorted(names - set(fields_for(endpoint)))
-        assert not missing, f"{source} {endpoint} fields not classified in worker/openai_fields.py: {missing}"
+        assert not missing, f"{source} {endpoint} fields not classified in worker/request/openai_fields.py: {missing}"
 
 
 def test_the_table_says_truly_where_each_field_comes_from():
@@ -100,7 +100,7 @@ def test_the_table_says_truly_where_each_field_comes_from():
 def test_readme_field_table_is_the_rendered_table():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "## OpenAI and vLLM batch fields" in readme
-    assert render_table() in readme, "README's field table is stale: paste worker.openai_fields.render_table()"
+    assert render_table() in readme, "README's field table is stale: paste worker.request.openai_fields.render_table()"
 
 
 # ---- lines ------------------------------------------------------------------------------
@@ -241,8 +241,8 @@ def named_models(tmp_path_factory):
 
 @pytest.fixture
 def client(sqlite_url, redis_url, unique_queue):
-    from worker.client import Client
-    from worker.store import Store
+    from worker.api.client import Client
+    from worker.store.store import Store
 
     return Client(broker_url=redis_url, database_url=sqlite_url, queue=unique_queue,
                   store=Store(sqlite_url, auto_upgrade=True))

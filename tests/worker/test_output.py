@@ -1,13 +1,13 @@
-"""The run's output file (``worker.output``) on real SQLite/PostgreSQL: an ordered prefix of the
+"""The run's output file (``worker.ingest.output``) on real SQLite/PostgreSQL: an ordered prefix of the
 batch, appended as results arrive, resumed from its last line, a torn last line cut off."""
 
 from __future__ import annotations
 
 import json
 
-from worker.models import QUEUED, SUCCEEDED
-from worker.output import OutputFile
-from worker.store import Store, job_row
+from worker.store.models import QUEUED, SUCCEEDED
+from worker.ingest.output import OutputFile
+from worker.store.store import Store, job_row
 
 
 def _batch(store: Store, n: int, name: str = "b") -> tuple[str, list[str]]:

@@ -2,8 +2,8 @@
 
 from click.testing import CliRunner
 
-from worker.cli import cli
-from worker.runtime import engine_kwargs_from_env
+from worker.api.cli import cli
+from worker.run.runtime import engine_kwargs_from_env
 
 
 def test_quantization_env_becomes_an_engine_kwarg(monkeypatch):

@@ -19,7 +19,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_celerys_root_warning_is_silenced():
     check = "from celery.platforms import check_privileges; check_privileges({'json'})"
     plain = _python(check)
-    ours = _python("import worker.app\n" + check)
+    ours = _python("import worker.dispatch.app\n" + check)
     assert ours.returncode == 0 and "superuser privileges" not in ours.stderr, ours.stderr
     if os.geteuid() == 0:  # Celery warns only a root process: then it must have warned without us
         assert "superuser privileges" in plain.stderr, plain.stderr
@@ -27,7 +27,7 @@ def test_celerys_root_warning_is_silenced():
 
 def test_alembics_plugin_setup_lines_are_silenced(tmp_path):
     migrate = (f"import logging; logging.basicConfig(level=logging.INFO)\n"
-               f"from worker.store import Store; Store('sqlite:///{tmp_path}/q.db', auto_upgrade=True)\n")
+               f"from worker.store.store import Store; Store('sqlite:///{tmp_path}/q.db', auto_upgrade=True)\n")
     ours = _python(migrate)
     assert ours.returncode == 0, ours.stderr
     assert "setup plugin" not in ours.stderr and "Running upgrade" in ours.stderr  # other INFO lines stay
@@ -48,7 +48,7 @@ keep = Late()
 def test_what_the_interpreter_writes_after_the_exit_handlers_is_silenced():
     plain = _python(_LATE_WRITER + "import atexit; atexit.register(lambda: print('bye', flush=True))")
     assert "nanobind: leaked" in plain.stderr and "bye" in plain.stdout
-    ours = _python("from worker.quiet import quiet_finalization; quiet_finalization()\n" + _LATE_WRITER
+    ours = _python("from worker.run.quiet import quiet_finalization; quiet_finalization()\n" + _LATE_WRITER
                    + "import atexit, sys; atexit.register(lambda: print('bye', file=sys.stderr, flush=True))")
     assert "nanobind" not in ours.stderr and "bye" in ours.stderr  # other exit handlers still speak
 
@@ -68,5 +68,5 @@ warnings.warn(CANCEL_TASKS_BY_DEFAULT, CPendingDeprecationWarning)
 def test_celerys_notice_on_each_connection_loss_is_silenced():
     plain = _python(_CONNECTION_LOSS)
     assert "In Celery 5.1 we introduced" in plain.stderr, plain.stderr
-    ours = _python("import worker.app\n" + _CONNECTION_LOSS)
+    ours = _python("import worker.dispatch.app\n" + _CONNECTION_LOSS)
     assert ours.returncode == 0 and "In Celery 5.1" not in ours.stderr, ours.stderr

@@ -23,12 +23,12 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from worker.cli import cli
-from worker.models import FAILED, SUCCEEDED
-from worker.report import render_html, write_report
-from worker.status_view import render, take_snapshot
-from worker.store import INVALID_INPUT, Store
-from worker.summary import percentile
+from worker.api.cli import cli
+from worker.store.models import FAILED, SUCCEEDED
+from worker.api.report import render_html, write_report
+from worker.api.status_view import render, take_snapshot
+from worker.store.store import INVALID_INPUT, Store
+from worker.api.summary import percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE_ID = '<img src=x onerror="alert(1)">&amp;'  # a custom_id is user input: shown, never run
@@ -47,7 +47,7 @@ def redis_for_module() -> str:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=2).ping()
     except Exception:
-        from worker.embedded import embedded_redis_url
+        from worker.dispatch.embedded import embedded_redis_url
 
         return embedded_redis_url()
     return f"{url}/{1 + uuid.uuid4().int % 15}"
@@ -67,7 +67,7 @@ def ran(tmp_path_factory, tiny_model_dir):
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=f"gen.report-{uuid.uuid4().hex[:8]}",
                SPECBATCH_WORKER_LOG=str(tmp / "worker.log"))
     env.pop("DATABASE_URL", None)
-    res = subprocess.run([sys.executable, "-m", "worker.cli", "--broker-url", redis_for_module(), "--database-url", db,
+    res = subprocess.run([sys.executable, "-m", "worker.api.cli", "--broker-url", redis_for_module(), "--database-url", db,
                           "run", str(src), "-o", str(tmp / "out.jsonl"), "--model", tiny_model_dir,
                           "--max-num-seqs", "4", "--speculative", "ngram:4"],
                          env=env, cwd=tmp, capture_output=True, text=True, timeout=240)
@@ -165,7 +165,7 @@ def make_batch(store: Store, *, n_ok: int, n_invalid: int = 0, name: str | None 
              "params": {}} for i in range(n_ok)]
     bad = [{"id": uuid.uuid4().hex, "custom_id": f"bad{i}", "line_no": n_ok + i + 1, "model": "m",
             "error": f"line {n_ok + i + 1}: malformed <json> & more"} for i in range(n_invalid)]
-    from worker.store import job_row
+    from worker.store.store import job_row
 
     p = store.prepare_batch(name=name or uuid.uuid4().hex, input_file="in.jsonl", model="m",
                             rows=[job_row(**r) for r in rows], invalid_rows=[job_row(**r) for r in bad])

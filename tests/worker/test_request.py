@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from worker.config import model_slug
-from worker.formats import MAX_CUSTOM_ID, BadLine, Request, parse_line, parse_lines
-from worker.request import (OPENAI_SAMPLING_FIELDS, line_sampling_params, openai_sampling_params, request_from_payload,
+from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, parse_line, parse_lines
+from worker.request.convert import (OPENAI_SAMPLING_FIELDS, line_sampling_params, openai_sampling_params, request_from_payload,
                             with_seed)
-from worker.sqltypes import escape_nul, stored_length, unescape_nul
+from worker.store.sqltypes import escape_nul, stored_length, unescape_nul
 
 FUZZ = settings(max_examples=10_000, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -302,7 +302,7 @@ def test_producer_stores_full_params_with_a_seed(sqlite_url, redis_url, unique_q
     for another model is a failed row, not a job for this one."""
     import redis
 
-    from worker.client import Client
+    from worker.api.client import Client
 
     client = Client(broker_url=redis_url, database_url=sqlite_url, model="org/Tiny", queue=unique_queue)
     try:

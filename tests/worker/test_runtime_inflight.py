@@ -8,7 +8,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loop import EngineLoop
-from worker.runtime import Runtime
+from worker.run.runtime import Runtime
 
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 
@@ -59,8 +59,8 @@ def test_a_worker_that_must_restart_gives_its_jobs_back_forgiven(loop, sqlite_ur
     """The stop watchdog's last act (a stop that never finished: exit 6): the jobs in flight
     go back to the queue at once, their attempts forgiven, instead of waiting for their leases
     to expire and being charged an attempt each."""
-    from worker.models import QUEUED
-    from worker.store import Store, job_row
+    from worker.store.models import QUEUED
+    from worker.store.store import Store, job_row
 
     store = Store(sqlite_url, auto_upgrade=True)
     store.upsert_jobs([job_row(model="tiny", prompt="p", id="r")])

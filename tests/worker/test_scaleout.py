@@ -12,8 +12,8 @@ import pytest
 
 from tests.worker.test_integration import wait_until
 from worker.config import Settings
-from worker.local import LocalWorker
-from worker.models import SUCCEEDED
+from worker.run.local import LocalWorker
+from worker.store.models import SUCCEEDED
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def test_two_cpu_slot_workers_share_a_queue_and_one_finishes_when_the_other_stop
         sqlite_url, redis_url, unique_queue, tiny_model_dir, tmp_path):
     import os
 
-    from worker.client import Client
+    from worker.api.client import Client
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.fail("this test needs two CPU slots (the CI machine has 2 cores)")

@@ -18,10 +18,10 @@ import redis
 from kombu import Connection, Exchange, Queue
 
 from tests.worker.redis_servers import free_port, make_certs, redis_binary, redis_server
-from worker.app import make_app
-from worker.client import Client
-from worker.formats import output_line, write_jsonl
-from worker.store import Store
+from worker.dispatch.app import make_app
+from worker.api.client import Client
+from worker.request.formats import output_line, write_jsonl
+from worker.store.store import Store
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ def test_a_pickled_task_message_is_refused_and_nothing_runs(redis_url, unique_qu
     app.conf.task_queues = [Queue(unique_queue, routing_key=unique_queue)]
     ran: list[str] = []
     done = threading.Event()
-    # A name of its own: worker.tasks' generate is a shared task, so an app made after another
+    # A name of its own: worker.run.tasks' generate is a shared task, so an app made after another
     # test imported it would otherwise run the real task instead of this one.
     task_name = f"test.generate.{unique_queue}"
 
@@ -175,7 +175,7 @@ def test_redis_over_tls(tmp_path):
 
 def test_plain_and_embedded_brokers_still_work(redis_url, tmp_path):
     _submit_and_receive(redis_url, tmp_path)
-    from worker.embedded import embedded_redis_url
+    from worker.dispatch.embedded import embedded_redis_url
 
     _submit_and_receive(embedded_redis_url(), tmp_path)
 
@@ -203,7 +203,7 @@ def test_cli_never_shows_a_password(tmp_path, pg_url):
     database = pg_url.replace("postgres@", f"postgres:{password}@")
 
     def cli(*args):
-        res = subprocess.run([sys.executable, "-m", "worker.cli", "--broker-url", broker, "--database-url", database,
+        res = subprocess.run([sys.executable, "-m", "worker.api.cli", "--broker-url", broker, "--database-url", database,
                               *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         return res, res.stdout + res.stderr
 

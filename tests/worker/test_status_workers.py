@@ -9,9 +9,9 @@ import time
 from click.testing import CliRunner
 
 from tests.worker.test_report import make_batch, run_job
-from worker.cli import cli
-from worker.models import FAILED
-from worker.store import Store
+from worker.api.cli import cli
+from worker.store.models import FAILED
+from worker.store.store import Store
 
 
 def _status(url: str, *args: str, env: dict[str, str] | None = None) -> str:

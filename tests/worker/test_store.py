@@ -8,8 +8,8 @@ import time
 from sqlalchemy import inspect
 
 from worker import migrate
-from worker.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
-from worker.store import INVALID_INPUT, Store, job_row, unpublished_select
+from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from worker.store.store import INVALID_INPUT, Store, job_row, unpublished_select
 
 
 def _store(url: str) -> Store:
@@ -184,7 +184,7 @@ def test_heartbeat_many_refreshes_owned_attempts_and_names_the_lost(db_url):
 
 
 def test_one_heartbeat_thread_aborts_what_was_cancelled(db_url):
-    from worker.heartbeat import Heartbeat
+    from worker.run.heartbeat import Heartbeat
 
     store = _store(db_url)
     for job_id in ("a", "b"):

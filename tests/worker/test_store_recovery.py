@@ -11,8 +11,8 @@ import time
 from sqlalchemy import event
 
 from worker import store as store_module
-from worker.models import FAILED, QUEUED, RUNNING
-from worker.store import Store, job_row
+from worker.store.models import FAILED, QUEUED, RUNNING
+from worker.store.store import Store, job_row
 
 
 def _store(url: str) -> Store:
@@ -132,7 +132,7 @@ def test_a_refresh_for_a_superseded_attempt_never_aborts_the_attempt_that_replac
     worker may claim one again while its heartbeat is still refreshing the old attempt: the
     refresh says "superseded", and it must not mark the new attempt lost (it once did, and the
     new attempt's good result was stored as failed: "aborted: cancelled or superseded")."""
-    from worker.heartbeat import Heartbeat
+    from worker.run.heartbeat import Heartbeat
 
     store = _store(db_url)
     first = _running(store, "x")
@@ -170,7 +170,7 @@ def test_claiming_a_job_again_in_the_same_process_aborts_the_older_attempt_and_k
     """The reaper re-queued a job whose attempt is still generating here (its heartbeats were
     lost to an outage) and this process claimed it again: the old attempt is aborted and told
     why; its end does not stop the new attempt's heartbeat (that once let the new lease expire)."""
-    from worker.heartbeat import Heartbeat
+    from worker.run.heartbeat import Heartbeat
 
     store = _store(db_url)
     first = _running(store, "x")

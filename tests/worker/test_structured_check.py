@@ -1,4 +1,4 @@
-"""The store's second check of a structured job's output (``worker.structured``) and the batch
+"""The store's second check of a structured job's output (``worker.request.structured``) and the batch
 fields that ask for structured output (``response_format``, vLLM's ``guided_*``)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from engine import SamplingParams, StructuredOutputsParams
-from worker.formats import BadLine, error_param, parse_line
-from worker.structured import INCOMPLETE, INVALID, check_samples
+from worker.request.formats import BadLine, error_param, parse_line
+from worker.request.structured import INCOMPLETE, INVALID, check_samples
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}, "s": {"type": "string"}},
           "required": ["n"]}

@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from worker.config import Settings
-from worker.formats import output_line
-from worker.models import FAILED, SUCCEEDED
+from worker.request.formats import output_line
+from worker.store.models import FAILED, SUCCEEDED
 
 from tests.worker.test_integration import start_worker
 
@@ -36,7 +36,7 @@ def tiny_model(tmp_path_factory):
 
 
 def test_response_format_lines_through_a_real_worker(sqlite_url, redis_url, unique_queue, tiny_model, tmp_path):
-    from worker.client import Client
+    from worker.api.client import Client
 
     schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": SCHEMA}}
     lines = [line(f"s{i}", response_format=schema_format) for i in range(6)] + [
@@ -68,7 +68,7 @@ def test_response_format_lines_through_a_real_worker(sqlite_url, redis_url, uniq
     assert output_line(cut)["error"]["code"] == "structured_output_incomplete"
     from click.testing import CliRunner
 
-    from worker.cli import cli
+    from worker.api.cli import cli
 
     for command in ("status", "export"):  # both show what the cut job generated
         res = CliRunner().invoke(cli, ["--database-url", sqlite_url, command, cut.id])
@@ -85,8 +85,8 @@ def test_response_format_lines_through_a_real_worker(sqlite_url, redis_url, uniq
 def test_submit_json_schema_file_stores_the_constraint(sqlite_url, redis_url, unique_queue, tiny_model, tmp_path):
     from click.testing import CliRunner
 
-    from worker.cli import cli
-    from worker.store import Store
+    from worker.api.cli import cli
+    from worker.store.store import Store
 
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMA))

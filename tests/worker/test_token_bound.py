@@ -1,4 +1,4 @@
-"""The byte bound on prompt tokens (``worker.token_bound``) holds where it is claimed, is not
+"""The byte bound on prompt tokens (``worker.request.token_bound``) holds where it is claimed, is not
 claimed where it could fail, and checking prompts with it gives the same verdicts as counting
 every one exactly."""
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tokenizers import normalizers, pre_tokenizers
 
-from worker.formats import length_error, parse_line
-from worker.token_bound import byte_bounded, surely_fits
-from worker.validate import TokenCounter
+from worker.request.formats import length_error, parse_line
+from worker.request.token_bound import byte_bounded, surely_fits
+from worker.request.validate import TokenCounter
 
 SPECIAL_TEXTS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<|im_", "im_end|>"]
 texts = st.lists(st.one_of(st.text(max_size=40), st.sampled_from(SPECIAL_TEXTS),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 
-from worker.app import broker_ssl
+from worker.dispatch.app import broker_ssl
 from worker.config import redact_url
 
 

@@ -1,0 +1,401 @@
+"""The Celery tasks: generate a job (or a message's group of short jobs) on this process's
+engine, idempotently.
+
+Check the store first (a job that already succeeded is never generated again), claim a new
+attempt (a group's in one write), submit to the running loop, wait while the process's one
+heartbeat keeps the lease fresh (which is also how a cancel is noticed: see
+``worker.run.heartbeat``), then write the result fenced by the attempt number (results finishing
+together in one write). The message is acked only after every job of it is written
+(``acks_late``); a worker that dies before it leaves the job ``running`` with a lease that
+stops being refreshed, and any worker's reaper puts it back in the queue (``worker.run.reaper``).
+A worker that cannot go on (draining, a dead engine loop) gives its jobs back at once: queued,
+with a new message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from celery.worker.control import control_command
+
+from . import runtime
+from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
+from worker.config import heartbeat_seconds, lease_seconds, max_attempts, max_job_seconds, model_slug
+from worker.store.dbretry import with_db_retry
+from worker.request.logprobs import Pieces, pack
+from worker.store.models import FAILED, SUCCEEDED
+from worker.request.convert import request_from_payload
+from worker.store.store import Claim
+
+log = logging.getLogger(__name__)
+
+
+def hand_back(rt: runtime.Runtime, job_id: str, payload: dict[str, Any]) -> str:
+    """Not taking this message (draining or dead): publish a copy, so it is acked, not lost."""
+    from worker.dispatch.publish import publish_jobs
+
+    try:
+        publish_jobs(app, [payload], lambda _row: rt.queue_of(payload))
+    except Exception:  # Redis away too: the job is still queued in the store; the orphan sweep has it
+        log.warning("could not hand back %s; the orphan sweep will", job_id, exc_info=True)
+    return "handed back"
+
+
+def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: dict[str, Any], reason: str,
+              *, forgive: bool) -> str:
+    """Put a claimed job back in the queue at once (queued, a new message), not failed."""
+    from worker.dispatch.publish import publish_jobs
+
+    death = engine_death(rt)
+    if death is not None:  # whatever the task saw (a refused submit, a broken pipe), the death is why
+        from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
+
+        died = str(death) if isinstance(death, EngineDied) else f"engine loop died: {death!r}"
+        reason = reason if died in reason else died
+    if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive),
+                         until_written=True):
+        return "fenced"
+    try:
+        publish_jobs(app, [dict(payload, id=job_id)], lambda _row: rt.queue_of(payload))
+    except Exception:
+        log.warning("could not publish given-back %s; the orphan sweep will", job_id, exc_info=True)
+    log.info("job %s attempt %s given back: %s", job_id, attempt, reason)
+    return "given back"
+
+
+@app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
+def generate(self, job_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Returns a compact summary (Flower shows it as the task's result; the store has the rest)."""
+    return run_jobs(self, [(job_id, payload)])[0]
+
+
+@app.task(name=GROUP_TASK_NAME, bind=True, acks_late=True, ignore_result=True)
+def generate_group(self, jobs: list[Any]) -> dict[str, Any]:
+    """Several short jobs of one message (``worker.dispatch.publish.job_groups``), each claimed, run and
+    stored as if it had come alone; the message is acked once all of them are stored."""
+    pairs: list[tuple[str, Any]] = []
+    for item in jobs if isinstance(jobs, list) else []:
+        if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str):
+            pairs.append((item[0], item[1]))
+        else:  # a hostile entry: no job to fail; a real job it hid is still queued in the store
+            log.warning("group message entry ignored: %s", repr(item)[:200])
+    summaries = run_jobs(self, pairs)
+    return {"jobs": len(summaries), "status": dict(Counter(s["status"] for s in summaries)), "results": summaries}
+
+
+@dataclass(slots=True)
+class Running:
+    """A claimed job in the engine, as its task waits for it."""
+
+    index: int
+    job_id: str
+    attempt: int
+    payload: dict[str, Any]
+    req: Any  # worker.request.convert.WorkRequest
+    request_id: str
+    handle: Any  # the engine loop's request handle (``.future``)
+    deadline: float
+    aborted_because: str | None = None
+
+
+def run_jobs(task, jobs: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Claim, run and store each job; one summary per job, in order.
+
+    Check the store first (a job that already succeeded is never generated again), claim new
+    attempts (one write for all), submit them to the running loop, wait while the process's
+    one heartbeat keeps the leases fresh, and write each result, fenced by its attempt, as it
+    finishes (those finishing together in one write)."""
+    rt = runtime.get()
+    store = runtime.store()
+    jobs = [(job_id, payload if isinstance(payload, dict) else {"malformed_payload": repr(payload)[:200]})
+            for job_id, payload in jobs]  # a hostile payload: its job fails as invalid below
+    held = _Held(rt.group_slots if len(jobs) > 1 else None)  # a lone job (interactive ones are) never waits here
+    try:
+        while held.slots is not None and not held.count and not (rt.dead or rt.draining):
+            held.take(min(len(jobs), held.slots.total))  # a group bigger than the bound still runs
+        if rt.dead or rt.draining:
+            return [task_summary(job_id, payload, hand_back(rt, job_id, payload)) for job_id, payload in jobs]
+        if not jobs:
+            return []
+        return _run_held(task, rt, store, jobs, held)
+    finally:
+        held.release(held.count)
+
+
+class _Held:
+    """The process's group slots this task holds (``Runtime.group_slots``), one per job until
+    that job is done."""
+
+    def __init__(self, slots: runtime.JobSlots | None) -> None:
+        self.slots = slots
+        self.count = 0
+
+    def take(self, n: int) -> None:
+        if self.slots is not None and self.slots.take(n, timeout=1.0):  # wakes to notice a drain
+            self.count = n
+
+    def release(self, n: int = 1) -> None:
+        n = min(n, self.count)
+        if n > 0:
+            self.slots.give(n)
+            self.count -= n
+
+
+def _run_held(task, rt: runtime.Runtime, store, jobs: list[tuple[str, dict[str, Any]]],
+              held: _Held) -> list[dict[str, Any]]:
+    worker = task.request.hostname or runtime.worker_name(rt.label)
+    claims = with_db_retry("claim", lambda: store.claim_many(
+        [(job_id, payload, rt.queue_of(payload)) for job_id, payload in jobs],
+        worker=worker, device=rt.label, lease_s=lease_seconds(), max_attempts=max_attempts()))
+    outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(jobs)
+    running: list[Running] = []
+    for index, ((job_id, payload), claim) in enumerate(zip(jobs, claims)):
+        if isinstance(claim, Exception):
+            log.warning("job %s not claimed: %r", job_id, claim)
+            outcomes[index] = (f"skipped: claim failed: {claim!r}"[:200], None)
+            continue
+        if not claim.ok:
+            log.info("job %s skipped: %s", job_id, claim.reason)
+            outcomes[index] = (f"skipped: {claim.reason}", None)
+            continue
+        try:
+            started = start_claimed(rt, store, index, job_id, claim.attempt, payload)
+        except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
+            log.exception("job %s attempt %s crashed in the worker", job_id, claim.attempt)
+            started = (give_back(rt, store, job_id, claim.attempt, payload, f"worker error: {exc!r}",
+                                 forgive=False), None)
+        if isinstance(started, Running):
+            running.append(started)
+        else:
+            outcomes[index] = started
+    held.release(len(jobs) - len(running))
+    if running:
+        for index, outcome in wait_and_store(rt, store, running):
+            outcomes[index] = outcome
+            held.release()
+    summaries = []
+    for (job_id, payload), claim, (outcome, values) in zip(jobs, claims, outcomes):
+        if rt.metrics is not None and isinstance(claim, Claim) and claim.ok:
+            rt.metrics.observe_job(outcome.replace(" ", "_"), values, enqueued_at=claim.enqueued_at,
+                                   queue_wait_s=(claim.started_at - claim.enqueued_at) if claim.enqueued_at else None)
+        summaries.append(task_summary(job_id, payload, outcome, values))
+    return summaries
+
+
+def task_summary(job_id: str, payload: dict[str, Any], outcome: str,
+                 values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The task's result as Flower shows it: what happened and the job's key figures, small."""
+    summary: dict[str, Any] = {"status": outcome}
+    if values:
+        drafts = values.get("num_draft_tokens") or 0
+        summary.update(
+            tokens=values.get("num_output_tokens"),
+            ttft_s=_round(values.get("ttft_s")),
+            tpot_s=_round(values.get("tpot_s")),
+            acceptance=round(values.get("num_accepted_tokens", 0) / drafts, 3) if drafts else None,
+            finish_reason=values.get("finish_reason"),
+        )
+        if values.get("error"):
+            summary["error"] = str(values["error"])[:200]
+    summary.update(custom_id=payload.get("custom_id"), job=job_id)
+    return summary
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: int,
+                  payload: dict[str, Any]) -> Running | tuple[str, dict[str, Any] | None]:
+    """Submit a claimed job to the engine (``Running``), or say at once what happened to it
+    (failed as invalid or for the wrong model, given back) and the result columns written."""
+    request_id = f"{job_id}#{attempt}"
+    if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
+        with_db_retry("fail", lambda: store.fail(
+            job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"),
+            until_written=True)
+        return FAILED, {"error_type": "wrong_model", "finished_at": time.time()}
+    if rt.dead or rt.draining or not rt.loop.running:
+        why = "drained: the worker is shutting down" if rt.draining else "engine unavailable: worker stopping"
+        return give_back(rt, store, job_id, attempt, payload, why, forgive=True), None
+    try:
+        req = request_from_payload(payload)
+        handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id,
+                                priority=req.priority)
+    except ValueError as exc:  # bad input: fail this job only, never retry it
+        with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"), until_written=True)
+        return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
+    except RuntimeError as exc:  # the loop is shutting down or dead
+        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
+    except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
+        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc!r}", forgive=True), None
+    rt.add_inflight(job_id, request_id)
+    rt.heartbeats(store, heartbeat_seconds()).track(job_id, attempt, request_id)  # one thread refreshes every lease
+    return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + max_job_seconds())
+
+
+def engine_death(rt: runtime.Runtime, wait_s: float = 5.0) -> BaseException | None:
+    """The engine's death, when it is dead or dying, else None (running, or stopped on purpose).
+
+    A task meets a dying engine in many ways (a refused submit, a broken pipe, ``rt.dead``, a
+    failed handle) before the engine has recorded why: its process's reader records the error
+    only once the child has exited (up to 2 s), so wait for it up to ``wait_s``. An engine that
+    refuses requests while nobody asked it to stop is dying, even while its process has not yet
+    exited (``running`` still true): a job claimed again in that window was given back as
+    "the engine is shutting down"."""
+    loop = rt.loop
+    if loop.error is None and ((loop.running and loop.accepting and not rt.dead) or loop.stop_requested):
+        return None
+    deadline = time.monotonic() + wait_s
+    while loop.error is None and not loop.stop_requested and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return loop.error
+
+
+def wait_and_store(rt: runtime.Runtime, store,
+                   running: list[Running]) -> Iterator[tuple[int, tuple[str, dict[str, Any] | None]]]:
+    """Wait for the running jobs; store each result as it finishes (those finishing together
+    in one write) and yield (index, (what happened, the result columns written))."""
+    from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
+
+    heartbeat = rt.heartbeats(store, heartbeat_seconds())
+    pending = {r.request_id: r for r in running}
+    try:
+        while pending:
+            wait([r.handle.future for r in pending.values()], timeout=heartbeat_seconds(),
+                 return_when=FIRST_COMPLETED)
+            now = time.time()
+            done: list[Running] = []
+            for r in list(pending.values()):
+                if r.handle.done():
+                    done.append(pending.pop(r.request_id))
+                elif r.aborted_because is None and now > r.deadline:
+                    r.aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
+                    rt.loop.abort(r.request_id)
+            to_store: list[tuple[Running, dict[str, Any]]] = []
+            for r in done:
+                # ``rt.inflight`` keeps the job until it is stored or given back: a dying worker
+                # waits for that before it exits (``runtime._on_engine_death``); so does the
+                # heartbeat (its lease stays fresh while the store retries through an outage).
+                lost = heartbeat.lost(r.job_id, r.attempt)
+                back: tuple[str, bool] | None = None  # (why, forgive) when the job goes back to the queue
+                try:
+                    out = r.handle.result(0)
+                    values = result_values(out, logprobs=r.req.params.logprobs, pieces=rt.loop.token_pieces,
+                                           structured=r.req.params.structured_outputs)
+                except EngineDied as exc:
+                    # Not this job's fault as far as we know; counted, so a job that kills every
+                    # engine it meets still ends (attempts exhausted).
+                    back = (str(exc), False)
+                except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
+                    log.exception("job %s attempt %s crashed in the worker", r.job_id, r.attempt)
+                    back = (f"worker error: {exc!r}", False)
+                else:
+                    aborted_because = r.aborted_because or lost
+                    if values["finish_reason"] == "abort" and aborted_because is None and rt.draining:
+                        back = ("drained: the worker is shutting down", True)
+                    elif aborted_because is not None and values["status"] == SUCCEEDED:
+                        values.update(status=FAILED, error=f"aborted: {aborted_because}", error_type="aborted")
+                    elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
+                        values.update(status=FAILED, error="aborted", error_type="aborted")
+                if back is not None:
+                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, back[0], forgive=back[1])
+                    heartbeat.untrack(r.job_id, r.attempt)
+                    rt.forget_inflight(r.job_id, r.request_id)
+                    yield r.index, (outcome, None)
+                    continue
+                to_store.append((r, values))
+            if to_store:
+                stored = with_db_retry("store result", lambda: store.finish_many(
+                    [(r.job_id, r.attempt, values) for r, values in to_store]), until_written=True)
+                for (r, values), ok in zip(to_store, stored):
+                    heartbeat.untrack(r.job_id, r.attempt)
+                    rt.forget_inflight(r.job_id, r.request_id)
+                    if ok:
+                        log.info("job %s attempt %s stored: %s", r.job_id, r.attempt, values["status"])
+                        yield r.index, (values["status"], values)
+                    else:
+                        log.info("job %s attempt %s result refused (cancelled or superseded)", r.job_id, r.attempt)
+                        yield r.index, ("fenced", values)
+    finally:
+        for r in running:  # an error above: those not stored stay running; their leases expire
+            heartbeat.untrack(r.job_id, r.attempt)
+            rt.forget_inflight(r.job_id, r.request_id)
+
+
+def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None,
+                  structured=None) -> dict[str, Any]:
+    """Store columns from a finished ``RequestOutput``: text, tokens, timings, counts.
+
+    ``outputs`` holds every sample when there are several or when logprobs were asked for
+    (``logprobs`` alternatives per position, packed with ``pieces``: see ``worker.request.logprobs``).
+    ``structured`` (the request's ``StructuredOutputsParams``): a generated job succeeds only
+    if every sample is complete and valid (``worker.request.structured``).
+    """
+    m = out.metrics
+    first = out.outputs[0] if out.outputs else None
+    finished = m.finished_time or m.last_token_time or time.time()
+    if first is None:
+        error = out.error or "no output"
+    else:
+        error = out.error or ("generation error" if first.finish_reason == "error" else None)
+    gen_time = finished - m.arrival_time if m.arrival_time else None
+    values: dict[str, Any] = {
+        "status": FAILED if error else SUCCEEDED,
+        "error": error,
+        # A grammar that does not compile is the request's fault, not the worker's.
+        "error_type": (None if not error else "invalid_request" if error.startswith("structured_outputs:")
+                       else "generation_error"),
+        "output_text": first.text if first else None,
+        "output_token_ids": list(first.token_ids) if first else None,
+        "outputs": _samples(out, logprobs, pieces),
+        "finish_reason": first.finish_reason if first else "error",
+        "first_scheduled_at": m.first_scheduled_time,
+        "first_token_at": m.first_token_time,
+        "finished_at": finished,
+        "ttft_s": m.ttft,
+        "tpot_s": m.tpot,
+        "tokens_per_s": (m.num_output_tokens / gen_time) if gen_time and gen_time > 0 else None,
+        "num_prompt_tokens": m.num_prompt_tokens or len(out.prompt_token_ids),
+        "num_cached_tokens": m.num_cached_tokens,
+        "num_output_tokens": m.num_output_tokens,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "num_preemptions": m.num_preemptions,
+        "num_steps": m.num_steps,
+        "max_batch_size": m.max_batch_size,
+        "num_waiting_steps": m.num_waiting_steps,
+    }
+    if structured is not None and values["status"] == SUCCEEDED and first.finish_reason != "abort":
+        from worker.request.structured import check_samples
+
+        problem = check_samples(structured, [(c.text, c.finish_reason, len(c.token_ids)) for c in out.outputs])
+        if problem is not None:
+            values.update(status=FAILED, error_type=problem[0], error=problem[1])
+    return values
+
+
+def _samples(out, logprobs: int | None, pieces: Pieces | None) -> list[dict[str, Any]] | None:
+    want = logprobs is not None and pieces is not None
+    if len(out.outputs) < 2 and not want:
+        return None
+    samples = []
+    for c in out.outputs:
+        sample = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+        if want and c.logprobs is not None:
+            sample.update(pack(sample["token_ids"], c.logprobs, logprobs, pieces))
+        samples.append(sample)
+    return samples
+
+
+@control_command(args=[("job_ids", list)], signature="<job_id> [job_id …]")
+def specbatch_cancel(state, job_ids: list[str] | None = None) -> dict[str, Any]:
+    """Abort these jobs in this worker's engine loop if it is generating them."""
+    rt = runtime.current()
+    aborted = rt.abort_jobs(list(job_ids or [])) if rt is not None else []
+    return {"ok": aborted}
