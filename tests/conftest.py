@@ -49,3 +49,14 @@ def browser():
         yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture(autouse=True)
+def _settings_read_afresh():
+    """Each test's process settings are read from the environment it sets up (``monkeypatch.setenv``
+    before the first ``settings()``), never left over from another test's."""
+    from worker.config import forget_settings
+
+    forget_settings()
+    yield
+    forget_settings()

@@ -1,12 +1,16 @@
-"""Where settings come from: flags, then environment (``SPECBATCH_*``, ``REDIS_URL``,
-``DATABASE_URL``), then embedded defaults. One place so the CLI, the Celery app and the
-worker subprocess all agree."""
+"""Every setting of specbatch's queue side in one object, ``Settings``: flags, then the
+environment (``SPECBATCH_*``, ``REDIS_URL``, ``DATABASE_URL``), then defaults, read once when a
+process makes its settings. Each field names its variable and says what it does, and README's
+settings table is generated from these fields (``python -m worker.config --table``), so the two
+cannot drift. A process's settings are made once (``settings()``) or handed in by the command
+that started it (``use_settings``); child processes get theirs as command-line flags."""
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -15,52 +19,6 @@ DEFAULT_DATABASE_URL = "sqlite:///specbatch.db"
 #: visibility timeout is derived from it (see :func:`visibility_timeout`).
 DEFAULT_MAX_JOB_SECONDS = 3 * 3600.0
 
-
-def env(name: str, default: str | None = None) -> str | None:
-    """``SPECBATCH_<NAME>`` from the environment, else ``default``."""
-    value = os.environ.get(f"SPECBATCH_{name}")
-    return value if value not in (None, "") else default
-
-
-def broker_url_from_env() -> str | None:
-    """The broker URL the environment names, or None (then an embedded Redis is used)."""
-    return env("BROKER_URL") or os.environ.get("REDIS_URL") or None
-
-
-def database_url_from_env() -> str:
-    return env("DATABASE_URL") or os.environ.get("DATABASE_URL") or DEFAULT_DATABASE_URL
-
-
-def model_from_env() -> str:
-    return env("MODEL", DEFAULT_MODEL)  # type: ignore[return-value]
-
-
-def max_job_seconds() -> float:
-    return float(env("MAX_JOB_SECONDS", str(DEFAULT_MAX_JOB_SECONDS)))  # type: ignore[arg-type]
-
-
-def lease_seconds() -> float:
-    """A running attempt (or a worker) whose heartbeat is older than this is presumed dead."""
-    return float(env("LEASE_SECONDS", "60"))
-
-
-def heartbeat_seconds() -> float:
-    """How often a worker refreshes the leases of its running jobs (well under the lease)."""
-    return float(env("HEARTBEAT_SECONDS", "2"))
-
-
-def max_attempts() -> int:
-    """A job whose attempts fail this many times ends failed."""
-    return int(env("MAX_ATTEMPTS", "3"))
-
-
-def visibility_timeout() -> float:
-    """Redis redelivers an unacked message this long after a worker *reserved* it.
-
-    A reserved message may wait for a free thread and then run for up to ``max_job_seconds``,
-    so twice that (plus a margin) keeps a live job from ever being handed to a second worker.
-    """
-    return 2.0 * max_job_seconds() + 300.0
 
 
 _SECRET_QUERY_KEYS = frozenset({"password", "passwd", "pass", "secret", "token"})
@@ -97,38 +55,212 @@ def model_slug(model: str) -> str:
 
 
 def queue_name(model: str) -> str:
-    """One queue per model: ``gen.<model-slug>`` (override with ``SPECBATCH_QUEUE``)."""
-    return env("QUEUE") or f"gen.{model_slug(model)}"
+    """One queue per model: ``gen.<model-slug>`` (``SPECBATCH_QUEUE`` names another: ``Settings.queue_name``)."""
+    return f"gen.{model_slug(model)}"
 
 
-@dataclass(slots=True)
+
+def _parse_bool(raw: str) -> bool:
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+_PARSERS: dict[Any, Callable[[str], Any]] = {int: int, float: float, str: str, bool: _parse_bool}
+
+
+def _setting(name: str, default: Any, doc: str, kind: type = str, *, also: str | None = None,
+             group: str = "worker") -> Any:
+    """A field read from ``SPECBATCH_<name>`` (or the plain variable ``also``) when a
+    ``Settings`` is made without it; ``default`` when neither is set (None: derived or off)."""
+
+    def read(environ: Mapping[str, str] | None = None) -> Any:
+        environ = os.environ if environ is None else environ
+        raw = environ.get(f"SPECBATCH_{name}") or (environ.get(also) if also else None)
+        if raw in (None, ""):
+            return default
+        try:
+            return _PARSERS[kind](raw)
+        except ValueError as exc:
+            raise ValueError(f"SPECBATCH_{name}={raw!r}: expected {kind.__name__} ({exc})") from None
+
+    return field(default_factory=read, metadata={"env": name, "also": also, "doc": doc, "default": default,
+                                                  "kind": kind, "group": group, "read": read})
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
-    """Resolved settings for one CLI invocation or worker."""
+    """One process's settings. ``Settings(model=...)`` takes what it is given and reads every
+    other field from the environment at that moment; ``resolve`` does the same for CLI flags
+    (None: not given)."""
 
-    broker_url: str | None
-    database_url: str
-    model: str
-    device: str = "cpu"
-    queue: str | None = None
+    # ---- where things are
+    broker_url: str | None = _setting("BROKER_URL", None, "Redis URL of the broker; unset: `specbatch run` embeds "
+                                      "a Redis of its own.", also="REDIS_URL", group="where")
+    database_url: str = _setting("DATABASE_URL", DEFAULT_DATABASE_URL, "SQLAlchemy URL of the store "
+                                 "(SQLite or PostgreSQL).", also="DATABASE_URL", group="where")
+    model: str = _setting("MODEL", DEFAULT_MODEL, "Model name or path a worker serves and jobs default to.",
+                          group="where")
+    device: str = _setting("DEVICE", "cpu", "`cpu`, `cpu:N` (a CPU slot) or `cuda:N`.", group="where")
+    queue: str | None = _setting("QUEUE", None, "Queue to use; unset: `gen.<model-slug>`.", group="where")
+    # ---- the engine a worker builds
+    max_num_seqs: int = _setting("MAX_NUM_SEQS", 64, "Sequences the engine batches at once.", int, group="engine")
+    reserved_seqs: int | None = _setting("RESERVED_SEQS", None, "Engine slots bulk work never fills while urgent "
+                                         "work is about; unset: 1/16 of max-num-seqs.", int, group="engine")
+    urgent_only_steps: int | None = _setting("URGENT_ONLY_STEPS", None, "Of every k+1 steps, k leave bulk requests "
+                                             "out while urgent ones run; unset: 16 on a CPU, 0 on CUDA.", int,
+                                             group="engine")
+    max_num_batched_tokens: int | None = _setting("MAX_NUM_BATCHED_TOKENS", None, "Token budget of one engine step; "
+                                                  "unset: the engine's default.", int, group="engine")
+    kv_cache_bytes: int | None = _setting("KV_CACHE_BYTES", None, "Bytes of paged KV cache; unset: the engine's "
+                                          "default.", int, group="engine")
+    dtype: str | None = _setting("DTYPE", None, "Weights dtype; unset: the engine's default.", group="engine")
+    quantization: str | None = _setting("QUANTIZATION", None, "`int8`: opt-in int8 linears on the CPU.",
+                                        group="engine")
+    speculative: str | None = _setting("SPECULATIVE", None, "Speculative decoding `METHOD[:K]` (ngram, suffix, "
+                                       "draft; K an integer or auto).", group="engine")
+    draft_model: str | None = _setting("DRAFT_MODEL", None, "Draft model for `--speculative draft`.",
+                                       group="engine")
+    grammar_timeout: float | None = _setting("GRAMMAR_TIMEOUT", None, "Seconds a structured-output grammar may "
+                                             "take to compile; unset: the engine's 10 s.", float, group="engine")
+    engine_kwargs: str | None = _setting("ENGINE_KWARGS", None, "A JSON object of extra `LLM(...)` keyword "
+                                         "arguments (escape hatch).", group="engine")
+    engine_process: bool = _setting("ENGINE_PROCESS", True, "`0`: the engine steps in a thread of the worker "
+                                    "process instead of a process of its own.", bool, group="engine")
+    engine_threads: int | None = _setting("ENGINE_THREADS", None, "torch threads of the engine; unset: one per "
+                                          "core it may use.", int, group="engine")
+    cpu_threads: int = _setting("CPU_THREADS", 1, "torch threads of a `cpu:N` slot.", int, group="engine")
+    gil_switch_interval: float = _setting("GIL_SWITCH_INTERVAL", 0.001, "Seconds a thread holds the GIL before "
+                                          "handing it over (Python's default 0.005).", float, group="engine")
+    # ---- the worker process
+    group_held_jobs: int | None = _setting("GROUP_HELD_JOBS", None, "Jobs of group messages a worker holds "
+                                           "claimed at once; unset: 4 x max-num-seqs.", int)
+    max_job_seconds: float = _setting("MAX_JOB_SECONDS", DEFAULT_MAX_JOB_SECONDS, "The longest one job may run "
+                                      "before it is aborted and failed.", float)
+    lease_seconds: float = _setting("LEASE_SECONDS", 60.0, "A running attempt (or worker) whose heartbeat is "
+                                    "older than this is presumed dead.", float)
+    heartbeat_seconds: float = _setting("HEARTBEAT_SECONDS", 2.0, "How often a worker refreshes its running "
+                                        "jobs' leases.", float)
+    max_attempts: int = _setting("MAX_ATTEMPTS", 3, "Attempts a job may spend before it ends failed.", int)
+    drain_timeout: float = _setting("DRAIN_TIMEOUT", 30.0, "On SIGTERM, seconds running jobs get to finish before "
+                                    "they go back to the queue.", float)
+    soft_shutdown_timeout: float = _setting("SOFT_SHUTDOWN_TIMEOUT", 0.0, "Celery's soft shutdown timeout.", float)
+    load_at_start: bool = _setting("LOAD_AT_START", True, "`0`: load the engine at the first job, not at start.",
+                                   bool)
+    db_retry_seconds: float = _setting("DB_RETRY_SECONDS", 300.0, "How long store calls are retried while the "
+                                       "database is unreachable.", float)
+    ready_file: str | None = _setting("READY_FILE", None, "A file that exists exactly while the worker can take "
+                                      "jobs (a readiness probe).")
+    interactive_reserve: int | None = _setting("INTERACTIVE_RESERVE", None, "Task threads bulk messages may never "
+                                               "hold; unset: 1/8 of the concurrency.", int)
+    metrics_port: int | None = _setting("METRICS_PORT", None, "Serve Prometheus `/metrics` on this port.", int)
+    metrics_address: str = _setting("METRICS_ADDRESS", "0.0.0.0", "Address `/metrics` binds.")
+    worker_log: str | None = _setting("WORKER_LOG", None, "Log file of the local worker `specbatch run` starts; "
+                                      "unset: one in $TMPDIR.")
+    worker_loglevel: str = _setting("WORKER_LOGLEVEL", "warning", "Log level of that local worker.")
+    # ---- the queue
+    pacing_window: int = _setting("PACING_WINDOW", 256, "Messages each queue is kept topped up to.", int,
+                                  group="queue")
+    pacing_seconds: float = _setting("PACING_SECONDS", 0.5, "How often the pacer tops the queues up.", float,
+                                     group="queue")
+    group_jobs: int = _setting("GROUP_JOBS", 32, "Short jobs of one batch a message may carry.", int, group="queue")
+    group_tokens: int = _setting("GROUP_TOKENS", 256, "Tokens to generate a group message may carry in all.", int,
+                                 group="queue")
+    sweep_seconds: float = _setting("SWEEP_SECONDS", 10.0, "How often the reaper looks for expired leases and "
+                                    "lost messages.", float, group="queue")
+    orphan_grace_seconds: float = _setting("ORPHAN_GRACE_SECONDS", 60.0, "A queued job published longer ago than "
+                                           "this and missing from Redis is published again.", float, group="queue")
+    auto_migrate: bool = _setting("AUTO_MIGRATE", False, "`1`: PostgreSQL stores upgrade their schema on open "
+                                  "(SQLite always does).", bool, group="queue")
 
     @property
     def queue_name(self) -> str:
         return self.queue or queue_name(self.model)
 
     @classmethod
-    def resolve(
-        cls,
-        *,
-        broker_url: str | None = None,
-        database_url: str | None = None,
-        model: str | None = None,
-        device: str | None = None,
-        queue: str | None = None,
-    ) -> "Settings":
-        return cls(
-            broker_url=broker_url or broker_url_from_env(),
-            database_url=database_url or database_url_from_env(),
-            model=model or model_from_env(),
-            device=device or env("DEVICE", "cpu"),  # type: ignore[arg-type]
-            queue=queue or env("QUEUE"),
-        )
+    def resolve(cls, **given: Any) -> Settings:
+        """Settings from CLI flags (a None flag was not given: the environment's value stands)."""
+        return cls(**{k: v for k, v in given.items() if v is not None})
+
+    def but(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` (None values ignored, as in ``resolve``)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def visibility_timeout(self) -> float:
+        """Redis redelivers an unacked message this long after a worker *reserved* it.
+
+        A reserved message may wait for a free thread and then run for up to
+        ``max_job_seconds``, so twice that (plus a margin) keeps a live job from ever being
+        handed to a second worker."""
+        return 2.0 * self.max_job_seconds + 300.0
+
+
+_process_settings: Settings | None = None
+
+
+def settings() -> Settings:
+    """This process's settings: handed in by its command (``use_settings``), else read from
+    the environment once."""
+    global _process_settings
+    if _process_settings is None:
+        _process_settings = Settings()
+    return _process_settings
+
+
+def use_settings(new: Settings) -> Settings:
+    """Make ``new`` this process's settings (a command resolves its flags, then calls this)."""
+    global _process_settings
+    _process_settings = new
+    return new
+
+
+def forget_settings() -> None:
+    """Read the environment again at the next ``settings()`` (tests that change it)."""
+    global _process_settings
+    _process_settings = None
+
+
+#: Variables the engine reads itself (it knows nothing of this module), listed for the table.
+ENGINE_VARIABLES: tuple[tuple[str, str, str], ...] = (
+    ("CACHE_DIR", "~/.cache/specbatch", "Where converted models (GGUF to safetensors) and compile caches live."),
+    ("ENGINE_SPINCOUNT", "1000", "`GOMP_SPINCOUNT` of the engine process (its OpenMP threads spin this long before sleeping)."),
+    ("ENGINE_LOG_LEVEL", "INFO", "Log level of the engine process."),
+    ("KERNEL_BACKEND", "", "`torch` or `triton`: the kernels' backend (unset: `triton` on CUDA, `torch` elsewhere)."),
+    ("FAULTS", "", "Test-only fault switches (a JSON object); inert unless set."),
+)
+
+_GROUP_TITLES = {"where": "Where things are", "engine": "The engine a worker builds",
+                 "worker": "The worker process", "queue": "The queue and the store"}
+
+
+def settings_table() -> str:
+    """README's settings table, from the fields above (``tests/worker/test_settings.py`` fails
+    when README's copy drifts)."""
+    rows = ["| variable | default | what it does |", "| --- | --- | --- |"]
+    for group, title in _GROUP_TITLES.items():
+        rows.append(f"| **{title}** | | |")
+        for f in fields(Settings):
+            meta = f.metadata
+            if meta.get("group") != group:
+                continue
+            name = f"`SPECBATCH_{meta['env']}`" + (f" or `{meta['also']}`" if meta["also"] else "")
+            default = meta["default"]
+            shown = "unset" if default is None else f"`{_shown(default)}`"
+            rows.append(f"| {name} | {shown} | {meta['doc']} |")
+    rows.append("| **Read by the engine itself** | | |")
+    rows.extend(f"| `SPECBATCH_{name}` | {default or 'unset'} | {doc} |" for name, default, doc in ENGINE_VARIABLES)
+    return "\n".join(rows) + "\n"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--table"]:
+        raise SystemExit("usage: python -m worker.config --table")
+    sys.stdout.write(settings_table())

@@ -29,11 +29,17 @@ IMAGE = "specbatch:latest"
 
 
 def env_names_read_by_code() -> set[str]:
-    """Every environment variable our packages read: ``env("X")`` is ``SPECBATCH_X``."""
+    """Every environment variable our packages read: each ``Settings`` field's variables, and
+    what the engine and the kernels read themselves."""
+    from dataclasses import fields
+
+    from worker.config import Settings
+
     names: set[str] = set()
+    for f in fields(Settings):
+        names |= {f"SPECBATCH_{f.metadata['env']}", *([f.metadata["also"]] if f.metadata["also"] else [])}
     for path in [*ROOT.glob("worker/**/*.py"), *ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py")]:
         text = path.read_text()
-        names |= {f"SPECBATCH_{m}" for m in re.findall(r'\benv\("([A-Z0-9_]+)"', text)}
         names |= set(re.findall(r'(?:environ\.get|getenv)\("([A-Z0-9_]+)"', text))
         names |= set(re.findall(r'environ\["([A-Z0-9_]+)"\]', text))
         names |= set(re.findall(r'envvar="([A-Z0-9_]+)"', text))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from worker.dispatch.app import make_app
-from worker.config import queue_name, visibility_timeout
+from worker.config import queue_name, settings
 from worker.run.runtime import pin_device, worker_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def test_celery_settings():
     assert c.task_ignore_result and not c.worker_cancel_long_running_tasks_on_connection_loss
     assert c.broker_connection_max_retries is None  # a restarting Redis is waited for
     assert c.worker_pool == "threads"
-    vt = visibility_timeout()
+    vt = settings().visibility_timeout()
     assert c.broker_transport_options["visibility_timeout"] == vt == c.visibility_timeout
     assert vt > 2 * float(os.environ.get("SPECBATCH_MAX_JOB_SECONDS", 3 * 3600))
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from worker.config import Settings, env, redact_url
+from worker.config import Settings, redact_url, use_settings
 
 console = Console(stderr=True)
 #: ``status`` piped or written to a file fits this many columns (README's promise).
@@ -39,18 +39,28 @@ def _fmt(v, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
 
 
 @click.group()
-@click.option("--broker-url", envvar="SPECBATCH_BROKER_URL", default=None, help="Redis URL (else REDIS_URL, else embedded).")
-@click.option("--database-url", envvar="SPECBATCH_DATABASE_URL", default=None, help="SQLAlchemy URL (else DATABASE_URL, else ./specbatch.db).")
+@click.option("--broker-url", default=None, help="Redis URL (else REDIS_URL, else embedded).")
+@click.option("--database-url", default=None, help="SQLAlchemy URL (else DATABASE_URL, else ./specbatch.db).")
 @click.pass_context
 def cli(ctx: click.Context, broker_url: str | None, database_url: str | None) -> None:
     """Bulk LLM generation through a Redis queue with continuous batching."""
-    ctx.obj = {"broker_url": broker_url, "database_url": database_url}
+    ctx.obj = {"settings": use_settings(Settings.resolve(broker_url=broker_url, database_url=database_url))}
 
 
-def _client(ctx: click.Context, **kw):
+def _settings(ctx: click.Context, **flags) -> Settings:
+    """This command's settings: the group's flags and the environment, then ``flags`` (None:
+    not given), made the process's settings (``worker.config.settings()``)."""
+    return use_settings(ctx.obj["settings"].but(**flags))
+
+
+def _client(settings: Settings):
     from worker.api.client import Client
 
-    return Client(broker_url=ctx.obj["broker_url"], database_url=ctx.obj["database_url"], **kw)
+    return Client(settings=settings)
+
+
+def _local_worker_log(settings: Settings) -> str:
+    return settings.worker_log or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")
 
 
 # ---- run -------------------------------------------------------------------------------
@@ -65,9 +75,9 @@ def _client(ctx: click.Context, **kw):
 @click.option("--max-num-seqs", type=int, default=None, help="Engine batch size of a local worker.")
 @click.option("--local-worker/--no-local-worker", default=True, help="Start a worker here if none consumes the queue.")
 @click.option("--timeout", type=float, default=None, help="Give up waiting after this many seconds.")
-@click.option("--speculative", default=None, envvar="SPECBATCH_SPECULATIVE",
+@click.option("--speculative", default=None,
               help="Speculative decoding METHOD[:K]: ngram, suffix or draft; K an integer or auto.")
-@click.option("--draft-model", default=None, envvar="SPECBATCH_DRAFT_MODEL", help="Draft model for --speculative draft.")
+@click.option("--draft-model", default=None, help="Draft model for --speculative draft.")
 @click.option("--priority", default="bulk", show_default=True,
               help="Lane of the batch's jobs: bulk, interactive, or an integer (lower is more urgent).")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=None,
@@ -80,18 +90,16 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
         speculative, draft_model, priority, max_in_flight, detach):
     """Stream FILE into a batch (jobs start while it is read), follow progress, and write
     the output file as results arrive (in input order; a rerun resumes it)."""
-    _speculation_env(speculative, draft_model)  # read by a local worker started below
-    from worker.config import broker_url_from_env
+    _check_speculation(speculative, draft_model)
     from worker.ingest.thread import IngestThread
     from worker.request.validate import token_counter
 
-    if detach and not (ctx.obj["broker_url"] or broker_url_from_env()):
+    settings = _settings(ctx, model=model, device=device, speculative=speculative, draft_model=draft_model)
+    if detach and not settings.broker_url:
         raise click.UsageError("--detach needs a broker that outlives this command (--broker-url or REDIS_URL): "
                                "the embedded Redis goes away when it exits")
-    client = _client(ctx, model=model)
+    client = _client(settings)
     settings = client.settings
-    if device:
-        settings.device = device
     path = Path(file).resolve()
     name = batch_name or f"{path}@{settings.model}"
     console.print(f"broker {redact_url(settings.broker_url)}, database {redact_url(settings.database_url)}",
@@ -119,10 +127,10 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
         if local_worker and reader.has_work() and not client.workers_consuming(settings.queue_name):
             from worker.run.local import LocalWorker
 
-            log_path = env("WORKER_LOG") or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")
+            log_path = _local_worker_log(settings)
             console.print(f"no worker on [bold]{settings.queue_name}[/]; starting one on {settings.device} (log: {log_path})")
             worker = LocalWorker(settings, concurrency=concurrency, max_num_seqs=max_num_seqs, log_path=log_path,
-                                 loglevel=env("WORKER_LOGLEVEL", "warning"))
+                                 loglevel=settings.worker_loglevel)
         from worker.ingest.output import OutputFile
 
         out = Path(output) if output else path.with_suffix(".out.jsonl")
@@ -287,10 +295,8 @@ class _Row:
 def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s, priority, json_schema,
            local_worker):
     """Enqueue one job and print its id (with --wait, wait for it and print its output line)."""
-    from worker.config import broker_url_from_env
-
-    embedded = not (ctx.obj["broker_url"] or broker_url_from_env())  # a Redis that lives as long as we do
-    client = _client(ctx, model=model)
+    embedded = not _settings(ctx).broker_url  # a Redis that lives as long as we do
+    client = _client(_settings(ctx, model=model))
     # Only what was given: every default is SamplingParams' own (one request model).
     params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("seed", seed))
               if v is not None}
@@ -319,10 +325,10 @@ def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, w
     if local_worker and (embedded or not client.workers_consuming(settings.queue_name)):
         from worker.run.local import LocalWorker
 
-        log_path = env("WORKER_LOG") or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"specbatch-worker-{os.getpid()}.log")
+        log_path = _local_worker_log(settings)
         console.print(f"no worker on [bold]{settings.queue_name}[/]; starting one on {settings.device} (log: {log_path})",
                       soft_wrap=True)
-        worker = LocalWorker(settings, log_path=log_path, loglevel=env("WORKER_LOGLEVEL", "warning"))
+        worker = LocalWorker(settings, log_path=log_path, loglevel=settings.worker_loglevel)
     try:
         _wait_job(client, job_id, wait_s, worker, hint)
     finally:
@@ -363,56 +369,42 @@ def _wait_job(client, job_id: str, wait_s: float, worker, hint: str) -> None:
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--name", default=None, help="Node name (default <device>@<host>).")
 @click.option("--loglevel", default="info")
-@click.option("--speculative", default=None, envvar="SPECBATCH_SPECULATIVE",
+@click.option("--speculative", default=None,
               help="Speculative decoding METHOD[:K]: ngram, suffix or draft; K an integer or auto.")
-@click.option("--draft-model", default=None, envvar="SPECBATCH_DRAFT_MODEL", help="Draft model for --speculative draft.")
-@click.option("--drain-timeout", type=float, default=None, envvar="SPECBATCH_DRAIN_TIMEOUT",
+@click.option("--draft-model", default=None, help="Draft model for --speculative draft.")
+@click.option("--drain-timeout", type=float, default=None,
               help="On SIGTERM, seconds running jobs get to finish before they go back to the queue (default 30).")
-@click.option("--quantization", default=None, envvar="SPECBATCH_QUANTIZATION", type=click.Choice(["int8"]),
+@click.option("--quantization", default=None, type=click.Choice(["int8"]),
               help="Opt-in int8 linears on the CPU (default: exact fp32/bf16).")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, envvar="SPECBATCH_METRICS_PORT",
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus /metrics on this port (one port per worker process).")
-@click.option("--metrics-address", default=None, envvar="SPECBATCH_METRICS_ADDRESS",
+@click.option("--metrics-address", default=None,
               help="Address /metrics binds (default 0.0.0.0, for Prometheus in another pod or host).")
-@click.option("--engine-threads", type=click.IntRange(1, 1024), default=None, envvar="SPECBATCH_ENGINE_THREADS",
+@click.option("--engine-threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads of the engine process (default: one per core it may use; a CPU slot: 1). "
                    "On a small CPU host, one fewer than the cores leaves the worker process a core of its own.")
 @click.pass_context
 def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
            drain_timeout, quantization, metrics_port, metrics_address, engine_threads):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
-    _speculation_env(speculative, draft_model)
+    _check_speculation(speculative, draft_model)
+    from worker.dispatch.embedded import ensure_broker_url
     from worker.dispatch.lanes import lane_queues
     from worker.run.runtime import pin_device, worker_name
 
-    device = device or env("DEVICE", "cpu")
+    settings = _settings(ctx, device=device, model=model, queue=queue, max_num_seqs=max_num_seqs,
+                         speculative=speculative, draft_model=draft_model, drain_timeout=drain_timeout,
+                         quantization=quantization, metrics_port=metrics_port, metrics_address=metrics_address,
+                         engine_threads=engine_threads)
+    device = settings.device
     pin_device(device)  # before anything imports torch and initialises CUDA
-    os.environ["SPECBATCH_DEVICE"] = device
-    if model:
-        os.environ["SPECBATCH_MODEL"] = model
-    if max_num_seqs:
-        os.environ["SPECBATCH_MAX_NUM_SEQS"] = str(max_num_seqs)
-    if quantization:
-        os.environ["SPECBATCH_QUANTIZATION"] = quantization
-    if metrics_port:
-        os.environ["SPECBATCH_METRICS_PORT"] = str(metrics_port)
-    if metrics_address:
-        os.environ["SPECBATCH_METRICS_ADDRESS"] = metrics_address
-    if engine_threads:
-        os.environ["SPECBATCH_ENGINE_THREADS"] = str(engine_threads)
-    if ctx.obj["database_url"]:
-        os.environ["SPECBATCH_DATABASE_URL"] = ctx.obj["database_url"]
-    from worker.dispatch.embedded import ensure_broker_url
-
-    settings = Settings.resolve(broker_url=ctx.obj["broker_url"], model=model, device=device, queue=queue)
-    os.environ["SPECBATCH_QUEUE"] = settings.queue_name  # where this worker gives jobs back
-    if drain_timeout is not None:
-        os.environ["SPECBATCH_DRAIN_TIMEOUT"] = str(drain_timeout)
     broker = ensure_broker_url(settings.broker_url)
+    # The queue this worker gives jobs back to, and the broker it found: the process's settings.
+    settings = use_settings(settings.but(queue=settings.queue_name, broker_url=broker))
     from worker.dispatch.app import app, configure
 
     configure(broker)
-    seqs = int(env("MAX_NUM_SEQS", "64"))
+    seqs = settings.max_num_seqs
     node = worker_name(device) if name is None else (name if "@" in name else f"{name}@{socket.gethostname()}")
     concurrency = concurrency or default_concurrency(seqs)
     lanes = lane_queues(settings.queue_name)  # interactive first: kombu polls them in this order
@@ -434,15 +426,15 @@ def default_concurrency(max_num_seqs: int) -> int:
     return 2 * max_num_seqs + interactive_reserve_for(2 * max_num_seqs)
 
 
-def _speculation_env(speculative: str | None, draft_model: str | None) -> None:
-    """Hand the speculation flags to the engine runtime (this process or a local worker)."""
+def _check_speculation(speculative: str | None, draft_model: str | None) -> None:
+    """Fail at once, on the user's terminal, on a malformed ``--speculative``."""
     from worker.run.runtime import speculative_config
 
     if speculative:
-        speculative_config(speculative, draft_model)  # fail fast on a malformed value
-        os.environ["SPECBATCH_SPECULATIVE"] = speculative
-    if draft_model:
-        os.environ["SPECBATCH_DRAFT_MODEL"] = draft_model
+        try:
+            speculative_config(speculative, draft_model)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})
@@ -471,7 +463,7 @@ def flower(ctx, port, address, basic_auth, models, queues, flower_args):
     from worker.dispatch.app import app, configure
     from worker.config import queue_name
 
-    settings = Settings.resolve(broker_url=ctx.obj["broker_url"])
+    settings = _settings(ctx)
     if not settings.broker_url:
         raise click.UsageError(no_shared_broker("specbatch flower"))
     broker = settings.broker_url
@@ -498,11 +490,10 @@ def flower(ctx, port, address, basic_auth, models, queues, flower_args):
 def status(ctx, batch, watch, interval, window):
     """Workers and recent batches, or one batch (or job) in detail: progress, throughput, ETA,
     failures by cause. Printed to stdout; ids are never cut."""
-    from worker.config import broker_url_from_env, database_url_from_env
     from worker.api.status_view import show
     from worker.store.store import Store
 
-    url = ctx.obj["database_url"] or database_url_from_env()
+    url = _settings(ctx).database_url
     store = Store(url)
     out = Console(soft_wrap=False)
     if not out.is_terminal:  # a pipe or a file: 80 columns (ids are never cut; other cells fold)
@@ -519,7 +510,7 @@ def status(ctx, batch, watch, interval, window):
             click.echo(json.dumps(job_status(job, store.attempt_history(job.id)), indent=2))
             return  # stdout is the job's JSON alone (pipe it to jq)
     out.print(f"database {redact_url(url)}", overflow="fold")  # a long URL folds: piped, every line fits 80
-    if not (ctx.obj["broker_url"] or broker_url_from_env()):
+    if not _settings(ctx).broker_url:
         # Nothing here reads the broker, but whoever looks for live workers or queues next
         # (Flower, ``cancel`` of running jobs) needs the workers' Redis: say how to name it.
         console.print(f"[dim]note: {no_shared_broker('specbatch status')}[/dim]", soft_wrap=True)
@@ -533,11 +524,10 @@ def status(ctx, batch, watch, interval, window):
 def report(ctx, batch, output):
     """Write one self-contained HTML page on BATCH: summary, latency histograms, throughput and
     batch size over time, draft acceptance, slowest and failed jobs."""
-    from worker.config import database_url_from_env
     from worker.api.report import write_report
     from worker.store.store import Store
 
-    store = Store(ctx.obj["database_url"] or database_url_from_env())
+    store = Store(_settings(ctx).database_url)
     b = store.get_batch(batch)
     if b is None:
         raise click.ClickException(f"no batch {batch!r}")
@@ -552,12 +542,11 @@ def report(ctx, batch, output):
 def export(ctx, batch, output):
     """Write a batch's output lines (OpenAI Batch format) in input order, streamed a page at a
     time; or one job's line (BATCH may be a job id)."""
-    from worker.config import database_url_from_env
     from worker.request.formats import output_line, write_jsonl
     from worker.store.models import TERMINAL
     from worker.store.store import Store
 
-    store = Store(ctx.obj["database_url"] or database_url_from_env())
+    store = Store(_settings(ctx).database_url)
     b = store.get_batch(batch)
     if b is not None:
         rows = (output_line(j) for j in store.iter_jobs(b.id, statuses=TERMINAL))
@@ -601,10 +590,9 @@ def db() -> None:
 def db_upgrade(ctx, revision):
     """Create or migrate the store's tables (Alembic)."""
     from . import migrate
-    from worker.config import database_url_from_env
     from worker.store.store import Store
 
-    store = Store(ctx.obj["database_url"] or database_url_from_env(), auto_upgrade=False)
+    store = Store(_settings(ctx).database_url, auto_upgrade=False)
     migrate.upgrade(store.engine, revision)
     console.print(f"database at revision {migrate.current_revision(store.engine)}")
 

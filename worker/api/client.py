@@ -68,9 +68,12 @@ class Client:
         model: str | None = None,
         queue: str | None = None,
         store: Store | None = None,
+        settings: Settings | None = None,
     ) -> None:
-        self.settings = Settings.resolve(broker_url=broker_url, database_url=database_url, model=model, queue=queue)
-        self.settings.broker_url = ensure_broker_url(self.settings.broker_url)
+        """Arguments override ``settings`` (default: the environment's)."""
+        resolved = (settings or Settings()).but(broker_url=broker_url, database_url=database_url, model=model,
+                                               queue=queue)
+        self.settings = resolved.but(broker_url=ensure_broker_url(resolved.broker_url))
         self.app = make_app(self.settings.broker_url, include_tasks=False)
         self.store = store or Store(self.settings.database_url)
 

@@ -21,7 +21,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from worker.config import lease_seconds
+from worker.config import settings
 from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, W_EXITED, W_FAILED, W_STOPPED, Batch
 from worker.store.store import Store
 from worker.api.summary import percentile
@@ -122,7 +122,7 @@ def take_snapshot(store: Store, batch: Batch | None = None, *, window_s: float =
     batches = [batch] if batch is not None else store.batches(limit)
     return Snapshot(now, batch_views(store, batches, now, window_s, latencies=batch is not None),
                     store.workers(), store.running_counts_by_worker(),
-                    store.single_jobs(limit) if batch is None else [], lease_s=lease_seconds())
+                    store.single_jobs(limit) if batch is None else [], lease_s=settings().lease_seconds)
 
 
 # ---- rendering -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from celery import Celery
 from kombu import Queue
 
 from . import kombu_redis
-from worker.config import env, broker_url_from_env, model_from_env, queue_name, visibility_timeout
+from worker.config import settings
 from worker.dispatch.lanes import lane_queues
 from worker.run.quiet import silence_noise
 
@@ -39,8 +39,8 @@ def broker_ssl(broker_url: str) -> dict | None:
 
 
 def _settings(broker_url: str) -> dict:
-    vt = visibility_timeout()
-    default_queue = queue_name(model_from_env())
+    vt = settings().visibility_timeout()
+    default_queue = settings().queue_name
     return dict(
         broker_url=broker_url,
         broker_use_ssl=broker_ssl(broker_url),
@@ -79,7 +79,7 @@ def _settings(broker_url: str) -> dict:
         worker_hijack_root_logger=False,
         # Under an orchestrator (REMAP_SIGTERM=SIGQUIT), finish running jobs for this long
         # before a cold shutdown; keep it under the grace period (k8s: 30 s by default).
-        worker_soft_shutdown_timeout=float(env("SOFT_SHUTDOWN_TIMEOUT", "0")),
+        worker_soft_shutdown_timeout=settings().soft_shutdown_timeout,
     )
 
 
@@ -87,7 +87,7 @@ def make_app(broker_url: str | None = None, *, include_tasks: bool = True) -> Ce
     """A configured app. Producers (``Client``) make their own, bound to their broker, so
     several clients in one process never share connection pools or a control mailbox."""
     new = Celery("specbatch", include=["worker.run.tasks"] if include_tasks else [])
-    new.conf.update(_settings(broker_url or broker_url_from_env() or FALLBACK_BROKER))
+    new.conf.update(_settings(broker_url or settings().broker_url or FALLBACK_BROKER))
     if include_tasks:  # a worker's app: keep task threads free for the interactive lane
         from worker.dispatch.governor import LaneGovernor
 
@@ -97,7 +97,7 @@ def make_app(broker_url: str | None = None, *, include_tasks: bool = True) -> Ce
 
 def configure(broker_url: str | None = None) -> Celery:
     """(Re)point the module's app (the one workers and Flower use) before it connects."""
-    url = broker_url or broker_url_from_env() or FALLBACK_BROKER
+    url = broker_url or settings().broker_url or FALLBACK_BROKER
     if app.conf.get("broker_url") not in (None, url):
         app.close()
     app.conf.update(_settings(url))

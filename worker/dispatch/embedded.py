@@ -26,13 +26,9 @@ def embedded_redis_url() -> str:
 
 
 def ensure_broker_url(url: str | None) -> str:
-    """``url`` when given, else an embedded server's URL; exported as ``REDIS_URL`` so
-    subprocess workers reach the same server."""
-    if url:
-        return url
-    url = embedded_redis_url()
-    os.environ["REDIS_URL"] = url
-    return url
+    """``url`` when given, else an embedded server's URL (a local worker is handed it as
+    ``--broker-url``)."""
+    return url or embedded_redis_url()
 
 
 def _shutdown() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.worker import state
 
-from worker.config import env
+from worker.config import settings
 from worker.dispatch.lanes import INTERACTIVE
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 def _reserve_setting() -> int | None:
     """``SPECBATCH_INTERACTIVE_RESERVE`` when set: the reserve whatever the concurrency."""
-    value = env("INTERACTIVE_RESERVE")
-    return None if value is None else max(0, int(value))
+    value = settings().interactive_reserve
+    return None if value is None else max(0, value)
 
 
 def interactive_reserve_for(bulk_threads: int) -> int:

@@ -17,18 +17,18 @@ import logging
 import threading
 from typing import Any
 
-from worker.config import env
+from worker.config import settings
 from worker.dispatch.publish import generation_budget, group_jobs, group_tokens, job_groups, publish_groups
 
 log = logging.getLogger(__name__)
 
 
 def pacing_window() -> int:
-    return int(env("PACING_WINDOW", "256"))
+    return settings().pacing_window
 
 
 def pacing_seconds() -> float:
-    return float(env("PACING_SECONDS", "0.5"))
+    return settings().pacing_seconds
 
 
 class Pacer:

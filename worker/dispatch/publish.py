@@ -22,7 +22,7 @@ from kombu import Queue
 from engine.sampling_params import DEFAULT_MAX_TOKENS
 
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME
-from worker.config import env
+from worker.config import settings
 from worker.store.store import JOB_PAYLOAD_FIELDS, new_id
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,12 @@ def args_repr(row: dict[str, Any]) -> str:
 
 def group_jobs() -> int:
     """The most jobs one message carries."""
-    return max(1, int(env("GROUP_JOBS", "32")))
+    return max(1, settings().group_jobs)
 
 
 def group_tokens() -> int:
     """The most tokens (``max_tokens`` x ``n``, summed) one message's jobs may generate."""
-    return max(1, int(env("GROUP_TOKENS", "256")))
+    return max(1, settings().group_tokens)
 
 
 def generation_budget(row: dict[str, Any]) -> int:

@@ -36,17 +36,20 @@ class LocalWorker:
         self.settings = settings
         env = dict(os.environ)
         env.update(extra_env or {})
-        env["REDIS_URL"] = settings.broker_url or ""
-        env["SPECBATCH_BROKER_URL"] = settings.broker_url or ""
-        env["SPECBATCH_DATABASE_URL"] = settings.database_url
-        env["SPECBATCH_MODEL"] = settings.model
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         # A unique node name so this worker never clashes with a long-running one; restarts
         # keep it, so the store's workers table counts them.
         self.node = f"local-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-        cmd = [sys.executable, "-m", "worker.api.cli", "worker", "--device", settings.device,
-               "--model", settings.model, "--queue", settings.queue_name, "--loglevel", loglevel,
-               "--name", self.node]
+        # Its settings travel as flags (the rest of the environment is the user's own).
+        cmd = [sys.executable, "-m", "worker.api.cli", "--database-url", settings.database_url]
+        if settings.broker_url:
+            cmd += ["--broker-url", settings.broker_url]
+        cmd += ["worker", "--device", settings.device, "--model", settings.model, "--queue", settings.queue_name,
+                "--loglevel", loglevel, "--name", self.node]
+        if settings.speculative:
+            cmd += ["--speculative", settings.speculative]
+        if settings.draft_model:
+            cmd += ["--draft-model", settings.draft_model]
         if concurrency:
             cmd += ["--concurrency", str(concurrency)]
         if max_num_seqs:

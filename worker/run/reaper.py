@@ -29,18 +29,18 @@ from typing import Any
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from worker.config import env
+from worker.config import settings
 from worker.dispatch.publish import publish_jobs, queued_job_ids
 
 log = logging.getLogger(__name__)
 
 
 def sweep_seconds() -> float:
-    return float(env("SWEEP_SECONDS", "10"))
+    return settings().sweep_seconds
 
 
 def orphan_grace_seconds() -> float:
-    return float(env("ORPHAN_GRACE_SECONDS", "60"))
+    return settings().orphan_grace_seconds
 
 
 class Reaper:

@@ -20,7 +20,7 @@ from typing import Any
 
 from celery import signals
 
-from worker.config import database_url_from_env, env, model_from_env, queue_name
+from worker.config import Settings, settings
 from worker.run.exit_codes import (
     EXIT_ENGINE_BUILD_FAILED,
     EXIT_ENGINE_DIED,
@@ -64,7 +64,7 @@ def pin_device(device: str) -> tuple[str, str]:
                 raise ValueError(f"device {device!r}: this host has CPU slots cpu:0..cpu:{len(cores) - 1}")
             os.sched_setaffinity(0, {cores[int(index)]})
             _pinned_slot = device
-        threads = env("CPU_THREADS", "1")
+        threads = str(settings().cpu_threads)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = threads
         if "torch" in sys.modules:  # already imported (tests): its pool is sized already; resize it
@@ -82,36 +82,32 @@ def worker_name(device: str, host: str | None = None) -> str:
     return f"{prefix}@{host or socket.gethostname()}"
 
 
-def engine_kwargs_from_env() -> dict[str, Any]:
-    """Engine knobs from ``SPECBATCH_*`` (set by ``specbatch worker`` flags).
+def engine_kwargs(s: Settings) -> dict[str, Any]:
+    """The engine's keyword arguments from a worker's settings.
 
     A worker schedules by priority (lanes): urgent requests first, bulk ones preempted for
     them, and ``RESERVED_SEQS`` engine slots (default 1/16 of the batch) bulk work never fills.
     """
-    seqs = int(env("MAX_NUM_SEQS", "64"))
+    seqs = s.max_num_seqs
+    reserved = s.reserved_seqs if s.reserved_seqs is not None else max(1, seqs // 16)
+    urgent_only = s.urgent_only_steps if s.urgent_only_steps is not None else (16 if is_cpu(s.device) else 0)
     kwargs: dict[str, Any] = {
         "max_num_seqs": seqs,
         "scheduling_policy": "priority",
-        "reserved_seqs": min(int(env("RESERVED_SEQS", str(max(1, seqs // 16)))), seqs - 1),
+        "reserved_seqs": min(reserved, seqs - 1),
         # On a CPU a step's cost grows with its batch: urgent requests get 16 steps of every 17
         # to themselves while they run (measured: bench/results/priority-cpu.txt); on a GPU a
         # bigger decode batch costs almost nothing more, so they share every step.
-        "urgent_only_steps": int(env("URGENT_ONLY_STEPS", "16" if is_cpu(env("DEVICE", "cpu")) else "0")),
+        "urgent_only_steps": urgent_only,
     }
-    if env("MAX_NUM_BATCHED_TOKENS"):
-        kwargs["max_num_batched_tokens"] = int(env("MAX_NUM_BATCHED_TOKENS"))
-    if env("KV_CACHE_BYTES"):
-        kwargs["kv_cache_memory_bytes"] = int(env("KV_CACHE_BYTES"))
-    if env("DTYPE"):
-        kwargs["dtype"] = env("DTYPE")
-    if env("QUANTIZATION"):
-        kwargs["quantization"] = env("QUANTIZATION")
-    if env("SPECULATIVE"):
-        kwargs["speculative_config"] = speculative_config(env("SPECULATIVE"), env("DRAFT_MODEL"))
-    if env("GRAMMAR_TIMEOUT"):  # seconds a structured-output grammar may take to compile
-        kwargs["structured_outputs_timeout_s"] = float(env("GRAMMAR_TIMEOUT"))
-    if env("ENGINE_KWARGS"):  # escape hatch: a JSON object of extra LLM(...) keyword arguments
-        kwargs.update(json.loads(env("ENGINE_KWARGS")))
+    optional = {"max_num_batched_tokens": s.max_num_batched_tokens, "kv_cache_memory_bytes": s.kv_cache_bytes,
+                "dtype": s.dtype, "quantization": s.quantization,
+                "structured_outputs_timeout_s": s.grammar_timeout}
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if s.speculative:
+        kwargs["speculative_config"] = speculative_config(s.speculative, s.draft_model)
+    if s.engine_kwargs:  # escape hatch: a JSON object of extra LLM(...) keyword arguments
+        kwargs.update(json.loads(s.engine_kwargs))
     return kwargs
 
 
@@ -133,7 +129,8 @@ def group_slot_count() -> int:
     holds claimed at once: ``GROUP_HELD_JOBS``, default 4 x max-num-seqs. Enough for the engine
     to fill every step; without a bound, 128 task threads holding 32 jobs each claimed a whole
     5,000-job batch at once, leaving other workers nothing and the engine a queue of thousands."""
-    return max(1, int(env("GROUP_HELD_JOBS", str(4 * int(env("MAX_NUM_SEQS", "64"))))))
+    s = settings()
+    return max(1, s.group_held_jobs if s.group_held_jobs is not None else 4 * s.max_num_seqs)
 
 
 class JobSlots:
@@ -266,23 +263,24 @@ _runtime: Runtime | None = None
 _store = None
 
 
-def start(model: str | None = None, device: str | None = None, **engine_kwargs: Any) -> Runtime:
+def start(model: str | None = None, device: str | None = None, **engine_kwargs_given: Any) -> Runtime:
     """Load the model and start its loop (once per process); raise if the engine cannot be built."""
     global _runtime
     with _lock:
         if _runtime is not None:
             return _runtime
-        model = model or model_from_env()
-        label = device or env("DEVICE", "cpu")
+        s = settings()
+        model = model or s.model
+        label = device or s.device
         engine_device, _ = pin_device(label)  # idempotent; `specbatch worker` already did it
         set_gil_switch_interval()
-        kwargs = {**engine_kwargs_from_env(), **engine_kwargs}
+        kwargs = {**engine_kwargs(s), **engine_kwargs_given}
         log.info("loading %s on %s (%s)", model, label, kwargs)
         metrics = _make_metrics(model, label)
         loop = build_engine_loop(model, engine_device, kwargs, on_death=_on_engine_death,
                                  on_step=metrics.observe_step if metrics else None)
         _runtime = Runtime(model=model, device=engine_device, label=label, loop=loop,
-                           queue=env("QUEUE") or queue_name(model), metrics=metrics)
+                           queue=s.but(model=model).queue_name, metrics=metrics)
         return _runtime
 
 
@@ -290,7 +288,7 @@ def engine_in_own_process() -> bool:
     """``ENGINE_PROCESS`` (default 1): the engine steps in a child process of its own, where the
     consumer's and task threads' Python never holds the GIL it needs (see ``engine.process``);
     0 keeps it in a thread of the worker process."""
-    return env("ENGINE_PROCESS", "1") != "0"
+    return settings().engine_process
 
 
 def build_engine_loop(model: str, device: str, kwargs: dict[str, Any], **hooks: Any) -> Any:
@@ -302,7 +300,7 @@ def build_engine_loop(model: str, device: str, kwargs: dict[str, Any], **hooks: 
 
     from engine.process import llm_engine
 
-    threads = int(env("ENGINE_THREADS", "0")) or None
+    threads = settings().engine_threads or None
     factory = partial(llm_engine, model, device, kwargs, threads)
     if engine_in_own_process():
         from engine.process import EngineProcess
@@ -315,7 +313,7 @@ def build_engine_loop(model: str, device: str, kwargs: dict[str, Any], **hooks: 
 
 def _make_metrics(model: str, label: str) -> Any:
     """The process's Prometheus metrics when ``METRICS_PORT`` is set (served once the engine is up)."""
-    if not env("METRICS_PORT"):
+    if not settings().metrics_port:
         return None
     from worker.run.metrics import WorkerMetrics
 
@@ -327,7 +325,7 @@ def serve_metrics(rt: Runtime) -> None:
     """Expose ``/metrics`` on ``METRICS_ADDRESS:METRICS_PORT``; a taken port ends the worker."""
     if rt.metrics is None:
         return
-    port, address = int(env("METRICS_PORT")), env("METRICS_ADDRESS", "0.0.0.0")
+    port, address = settings().metrics_port, settings().metrics_address
     try:
         rt.metrics.serve(port, address)
     except OSError as exc:
@@ -345,7 +343,7 @@ def set_gil_switch_interval() -> None:
     to get it back; with the default an urgent job spent ~70 ms between its claim and its first
     step under a full batch (bench/priority.py's claimed->scheduled), most of it in those waits.
     """
-    sys.setswitchinterval(float(env("GIL_SWITCH_INTERVAL", "0.001")))
+    sys.setswitchinterval(settings().gil_switch_interval)
 
 
 def get() -> Runtime:
@@ -380,7 +378,7 @@ def store():
         if _store is None:
             from worker.store.store import Store
 
-            _store = Store(database_url_from_env(), group_commit=True)
+            _store = Store(settings().database_url, group_commit=True)
         return _store
 
 
@@ -388,7 +386,7 @@ _worker_name: str | None = None
 
 
 def drain_timeout() -> float:
-    return float(env("DRAIN_TIMEOUT", "30"))
+    return settings().drain_timeout
 
 
 def _record_state(state: str, error: str | None = None) -> None:
@@ -472,15 +470,14 @@ def _load_at_worker_start(sender=None, **_: Any) -> None:
     """Build the engine before the consumer starts; a worker that cannot serve never says
     ready and never takes a message: it records why and exits non-zero."""
     global _worker_name
-    if env("LOAD_AT_START", "1") != "1":
+    s = settings()
+    if not s.load_at_start:
         return
     if sender is not None and hasattr(sender, "stop"):
         _arm_stop_watchdog(sender)
-    _worker_name = getattr(sender, "hostname", None) or worker_name(env("DEVICE", "cpu"))
-    model = model_from_env()
-    info = dict(host=socket.gethostname(), pid=os.getpid(), device=env("DEVICE", "cpu"),
-                queue=env("QUEUE") or queue_name(model), model=model)
-    deadline = time.monotonic() + float(env("DB_RETRY_SECONDS", "300"))
+    _worker_name = getattr(sender, "hostname", None) or worker_name(s.device)
+    info = dict(host=socket.gethostname(), pid=os.getpid(), device=s.device, queue=s.queue_name, model=s.model)
+    deadline = time.monotonic() + s.db_retry_seconds
     while True:
         try:
             store().worker_starting(_worker_name, **info)
@@ -507,18 +504,18 @@ def _start_maintenance(rt: Runtime) -> None:
     from worker.dispatch.app import app
     from worker.dispatch.pacer import Pacer
     from worker.run.reaper import Reaper
-    from worker.config import heartbeat_seconds, lease_seconds, max_attempts
 
-    rt.heartbeats(store(), heartbeat_seconds())
+    s = settings()
+    rt.heartbeats(store(), s.heartbeat_seconds)
     rt.reaper = Reaper(store(), app, lane_queues(rt.queue), worker=_worker_name or rt.label,
-                       lease_s=lease_seconds(), max_attempts=max_attempts()).start()
+                       lease_s=s.lease_seconds, max_attempts=s.max_attempts).start()
     rt.pacer = Pacer(store(), app, lane_queues(rt.queue), owner=_worker_name or rt.label).start()
 
 
 def _ready_file() -> str | None:
     """``READY_FILE``: exists exactly while this worker can take jobs (a Kubernetes exec
     readiness probe: ``test -f``); written once the model is loaded and the consumer runs."""
-    return env("READY_FILE")
+    return settings().ready_file
 
 
 @signals.worker_ready.connect

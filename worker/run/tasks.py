@@ -25,7 +25,7 @@ from celery.worker.control import control_command
 
 from . import runtime
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
-from worker.config import heartbeat_seconds, lease_seconds, max_attempts, max_job_seconds, model_slug
+from worker.config import model_slug, settings
 from worker.store.dbretry import with_db_retry
 from worker.request.logprobs import Pieces, pack
 from worker.store.models import FAILED, SUCCEEDED
@@ -151,7 +151,8 @@ def _run_held(task, rt: runtime.Runtime, store, jobs: list[tuple[str, dict[str, 
     worker = task.request.hostname or runtime.worker_name(rt.label)
     claims = with_db_retry("claim", lambda: store.claim_many(
         [(job_id, payload, rt.queue_of(payload)) for job_id, payload in jobs],
-        worker=worker, device=rt.label, lease_s=lease_seconds(), max_attempts=max_attempts()))
+        worker=worker, device=rt.label, lease_s=settings().lease_seconds,
+        max_attempts=settings().max_attempts))
     outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(jobs)
     running: list[Running] = []
     for index, ((job_id, payload), claim) in enumerate(zip(jobs, claims)):
@@ -235,8 +236,8 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
     except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
         return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc!r}", forgive=True), None
     rt.add_inflight(job_id, request_id)
-    rt.heartbeats(store, heartbeat_seconds()).track(job_id, attempt, request_id)  # one thread refreshes every lease
-    return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + max_job_seconds())
+    rt.heartbeats(store, settings().heartbeat_seconds).track(job_id, attempt, request_id)  # one thread refreshes every lease
+    return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + settings().max_job_seconds)
 
 
 def engine_death(rt: runtime.Runtime, wait_s: float = 5.0) -> BaseException | None:
@@ -263,11 +264,11 @@ def wait_and_store(rt: runtime.Runtime, store,
     in one write) and yield (index, (what happened, the result columns written))."""
     from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
 
-    heartbeat = rt.heartbeats(store, heartbeat_seconds())
+    heartbeat = rt.heartbeats(store, settings().heartbeat_seconds)
     pending = {r.request_id: r for r in running}
     try:
         while pending:
-            wait([r.handle.future for r in pending.values()], timeout=heartbeat_seconds(),
+            wait([r.handle.future for r in pending.values()], timeout=settings().heartbeat_seconds,
                  return_when=FIRST_COMPLETED)
             now = time.time()
             done: list[Running] = []
@@ -275,7 +276,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                 if r.handle.done():
                     done.append(pending.pop(r.request_id))
                 elif r.aborted_because is None and now > r.deadline:
-                    r.aborted_because = f"exceeded the {max_job_seconds():.0f} s job limit"
+                    r.aborted_because = f"exceeded the {settings().max_job_seconds:.0f} s job limit"
                     rt.loop.abort(r.request_id)
             to_store: list[tuple[Running, dict[str, Any]]] = []
             for r in done:

@@ -12,7 +12,7 @@ from typing import Callable, TypeVar
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from worker.config import env
+from worker.config import settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 def db_retry_seconds() -> float:
     """How long a task keeps retrying the database (its message stays unacked meanwhile)."""
-    return float(env("DB_RETRY_SECONDS", "300"))
+    return settings().db_retry_seconds
 
 
 def with_db_retry(what: str, fn: Callable[[], T], *, until_written: bool = False) -> T:

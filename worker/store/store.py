@@ -26,7 +26,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import json_text, migrate
-from worker.config import env
+from worker.config import settings
 from worker.store.group_commit import GroupCommit
 from worker.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, W_FAILED, W_STARTING,
                      W_STOPPED, Batch, Epoch, Job, JobAttempt, Worker)
@@ -151,7 +151,7 @@ class Store:
         self.Session = sessionmaker(self.reader, expire_on_commit=False)
         self.dialect = self.engine.dialect.name
         if auto_upgrade is None:
-            auto_upgrade = self.dialect == "sqlite" or env("AUTO_MIGRATE", "0") == "1"
+            auto_upgrade = self.dialect == "sqlite" or settings().auto_migrate
         if auto_upgrade and not migrate.is_current(self.engine):
             self.upgrade()
         self._group = GroupCommit(self._write) if group_commit else None
