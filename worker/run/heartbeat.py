@@ -10,11 +10,10 @@ with per-job beats, 0.99x with almost none). One thread refreshes them all in on
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any, Callable
 
-log = logging.getLogger(__name__)
+from worker.run.periodic import PeriodicThread
 
 
 class Heartbeat:
@@ -28,9 +27,8 @@ class Heartbeat:
         self._lost: dict[str, str] = {}  # job id -> why the tracked attempt no longer owns it
         self._superseded: dict[tuple[str, int], str] = {}  # (job id, older attempt) -> why, until untracked
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="specbatch-heartbeat", daemon=True)
-        self._thread.start()
+        # A failed beat (the database is away) is logged and the next one tried: leases simply age meanwhile.
+        self._thread = PeriodicThread("specbatch-heartbeat", interval, self.beat, first_now=False).start()
 
     def track(self, job_id: str, attempt: int, request_id: str) -> None:
         """Refresh this attempt's lease from now on. An older attempt of the same job still
@@ -90,13 +88,4 @@ class Heartbeat:
         return aborted
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat()
-            except Exception:  # database down: keep going; leases simply age meanwhile
-                log.exception("heartbeat failed")
+        self._thread.stop(timeout)
