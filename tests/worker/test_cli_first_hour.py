@@ -24,7 +24,7 @@ from worker.store.store import Store, job_row
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-cli") / "model"))
 

@@ -99,7 +99,7 @@ def test_the_pacing_window_counts_messages_and_asks_a_batch_for_as_many_jobs_as_
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
