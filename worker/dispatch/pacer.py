@@ -31,7 +31,7 @@ def pacing_seconds() -> float:
     return float(env("PACING_SECONDS", "0.5"))
 
 
-class Pacer:
+class Pacer(PeriodicThread):
     def __init__(self, store: Any, app: Any, queues: list[str], *, owner: str = "producer",
                  window: int | None = None, interval: float | None = None) -> None:
         self.store = store
@@ -43,14 +43,7 @@ class Pacer:
         self._turn = 0  # rotates which batch is served first when shares do not divide evenly
         self._per_message: dict[str, int] = {}  # batch id -> jobs a message of it carries, as last seen
         self._ticks = 0  # ticks that succeeded, for closing drained batches every CLOSE_EVERY_TICKS
-        self._thread = PeriodicThread("specbatch-pacer", self.interval, self._tick_and_close)
-
-    def start(self) -> "Pacer":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._thread.stop(timeout)
+        super().__init__("specbatch-pacer", self.interval, self._tick_and_close)
 
     def _tick_and_close(self) -> None:
         self.tick()

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from worker.run.periodic import PeriodicThread
 
 
-class Heartbeat:
+class Heartbeat(PeriodicThread):
     """Refresh the leases of this process's running attempts every ``interval`` seconds."""
 
     def __init__(self, store: Any, abort: Callable[[str], None], interval: float) -> None:
@@ -28,7 +28,8 @@ class Heartbeat:
         self._superseded: dict[tuple[str, int], str] = {}  # (job id, older attempt) -> why, until untracked
         self._lock = threading.Lock()
         # A failed beat (the database is away) is logged and the next one tried: leases simply age meanwhile.
-        self._thread = PeriodicThread("specbatch-heartbeat", interval, self.beat, first_now=False).start()
+        super().__init__("specbatch-heartbeat", interval, self.beat, first_now=False)
+        self.start()
 
     def track(self, job_id: str, attempt: int, request_id: str) -> None:
         """Refresh this attempt's lease from now on. An older attempt of the same job still
@@ -86,6 +87,3 @@ class Heartbeat:
             self.abort(owned[job_id][1])
             aborted.append(job_id)
         return aborted
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._thread.stop(timeout)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 log = logging.getLogger(__name__)
+P = TypeVar("P", bound="PeriodicThread")
 
 
 class PeriodicThread:
-    """Call ``tick`` every ``interval`` seconds on a daemon thread named ``name``.
+    """Call ``tick`` every ``interval`` seconds on a daemon thread named ``name``. The pacer, the
+    reaper and the heartbeat are such threads (subclasses), so their ``start``/``stop`` are these.
 
     ``first_now``: tick once as soon as the thread starts (the pacer and the reaper: a worker
     starting fills its queues and sweeps at once), else wait an interval first (the heartbeat:
@@ -33,7 +35,7 @@ class PeriodicThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> "PeriodicThread":
+    def start(self: P) -> P:
         self._thread.start()
         return self
 

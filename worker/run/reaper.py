@@ -43,7 +43,7 @@ def orphan_grace_seconds() -> float:
     return float(env("ORPHAN_GRACE_SECONDS", "60"))
 
 
-class Reaper:
+class Reaper(PeriodicThread):
     """Sweep every ``interval`` seconds for the queues this worker consumes."""
 
     def __init__(self, store: Any, app: Any, queues: list[str], *, worker: str, lease_s: float,
@@ -66,14 +66,7 @@ class Reaper:
         # until an outage is seen (a worker starting is not a database coming back).
         self._reachable_since = float("-inf")
         self._unreachable = False
-        self._thread = PeriodicThread("specbatch-reaper", self.interval, self.sweep_or_log)
-
-    def start(self) -> "Reaper":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._thread.stop(timeout)
+        super().__init__("specbatch-reaper", self.interval, self.sweep_or_log)
 
     def sweep_or_log(self) -> dict[str, int] | None:
         """``sweep``, or None when the database or the broker is away (tried again next interval)."""
