@@ -12,6 +12,7 @@ raised in and every installed version that differs from the lock.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import sysconfig
@@ -19,6 +20,9 @@ import tempfile
 import traceback
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def smoke(workdir: Path) -> None:
@@ -31,10 +35,9 @@ def smoke(workdir: Path) -> None:
     import worker.api.cli  # noqa: F401
     from engine import LLM, SamplingParams
     from engine.model_hub import load_causal_lm
-    from engine.testing import make_tiny_model
     from worker.store.store import Store
 
-    path = str(make_tiny_model(workdir / "tiny", logit_scale=8.0))
+    path = str(tiny_models().make_tiny_model(workdir / "tiny", logit_scale=8.0))
     prompt = "The quick brown fox"
     got = LLM(path, device="cpu", max_num_seqs=4).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
     ours = list(got[0].outputs[0].token_ids)
@@ -44,6 +47,18 @@ def smoke(workdir: Path) -> None:
     assert ours == want[: len(ours)] and len(ours) > 0, f"greedy tokens differ from HF generate: {ours} vs {want}"
     Store(f"sqlite:///{workdir / 'smoke.db'}")  # creates and migrates the schema
     print(f"smoke ok: {len(ours)} greedy tokens equal to HF generate; store migrated")
+
+
+def tiny_models() -> ModuleType:
+    """The tests' tiny-model helper (``tests/helpers/tiny_models.py``), loaded from the checkout
+    by its path: it is not installed, this runs from another directory, and a dependency that
+    ships a top-level ``tests`` package must not hide it."""
+    path = ROOT / "tests" / "helpers" / "tiny_models.py"
+    spec = importlib.util.spec_from_file_location("specbatch_tiny_models", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def locked(constraints: Path) -> dict[str, str]:
@@ -91,7 +106,7 @@ def culprit(tb: traceback.StackSummary) -> str | None:
 
 
 def main() -> int:
-    constraints = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "constraints.txt")
+    constraints = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "constraints.txt")
     pins = locked(constraints)
     changed = drift(pins)
     print("newest allowed versions differing from the lock:", "; ".join(changed) or "none")

@@ -184,7 +184,7 @@ def redis_used(client) -> int:
 
 def first_claim(db: Database, broker: str, src: Path, tmp: Path) -> dict:
     """A ready worker on a tiny model, then ``specbatch run`` of ``src``: seconds to the first claim."""
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
     from worker.api.client import Client
     from worker.store.store import Store
 

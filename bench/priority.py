@@ -37,7 +37,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def resolve(model: str, workdir: Path) -> str:
     if model == "tiny":
-        from engine.testing import make_tiny_model
+        from tests.helpers.tiny_models import make_tiny_model
 
         return str(make_tiny_model(workdir / "tiny", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
                                    intermediate_size=512))

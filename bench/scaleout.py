@@ -33,7 +33,7 @@ DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 def resolve(model: str, workdir: Path) -> str:
     if model == "tiny":
-        from engine.testing import make_tiny_model
+        from tests.helpers.tiny_models import make_tiny_model
 
         return str(make_tiny_model(workdir / "tiny"))
     if model == "smollm2":

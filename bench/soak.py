@@ -63,7 +63,7 @@ def main() -> None:
         sys.exit(run_chaos(args))
     args.jobs = args.jobs or 10_000
 
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
     from worker.api.client import Client
     from worker.config import Settings
     from worker.run.local import LocalWorker

@@ -62,7 +62,7 @@ def run_chaos(args: Any) -> int:
 
     from sqlalchemy.engine import make_url
 
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
     from tests.faults.conftest import RedisServer, TcpProxy, engine_pid
     from worker.api.client import Client
     from worker.config import Settings

@@ -42,7 +42,7 @@ def fresh_pg_schema() -> str:
 
 
 def make_model(workdir: Path) -> str:
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(workdir / "tiny", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
                                intermediate_size=512))

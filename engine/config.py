@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,7 +63,6 @@ class EngineConfig:
     # urgent_only_steps + 1 leave the background ones out (CPUs: a step's cost grows with its
     # batch; GPUs: keep 0, a bigger decode batch costs almost nothing more).
     urgent_only_steps: int = 0
-    seed: int = 0  # unused: sampling noise is per request (seed, sample, position); kept for old callers
     speculative_config: "SpeculativeConfig | dict | None" = None
     trust_remote_code: bool = False
     # Llama-family decoder layers run as engine.fused_layers.FusedDecoderLayer (same maths, fewer
@@ -81,7 +80,6 @@ class EngineConfig:
     # Where a request's grammar admits a single continuation, propose its tokens as drafts
     # (ahead of the speculative proposer's, or alone when speculation is off).
     forced_token_drafts: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device) if self.device is not None else default_device()

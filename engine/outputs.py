@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -71,7 +71,6 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
     # The seed the samples were drawn with (the request's, or a fresh one): rerunning the
     # request with this seed reproduces its tokens exactly.
     seed: int | None = None

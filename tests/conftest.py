@@ -12,7 +12,7 @@ if os.environ.get("SPECBATCH_TEST_DEVICE", "cpu") == "cpu":
 import pytest  # noqa: E402
 
 from engine.model_hub import resolve_model  # noqa: E402
-from engine.testing import make_tiny_model  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3
 from engine import LLM, SamplingParams
 from engine.fused_layers import FusedDecoderLayer
 from engine.model_hub import load_causal_lm
-from engine.testing import make_byte_tokenizer, make_tiny_model
+from tests.helpers.tiny_models import make_byte_tokenizer, make_tiny_model
 from tests.engine.test_parity import assert_teacher_forced_match, capture_logits
 
 COMMON = dict(

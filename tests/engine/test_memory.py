@@ -8,7 +8,7 @@ from safetensors import safe_open
 from engine import LLMEngine
 from engine.config import EngineConfig
 from engine.memory import CPU_TOKENS_PER_SEQ, default_cpu_kv_blocks, tensor_bytes
-from engine.testing import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 
 
 def test_default_kv_blocks_follow_the_batch_and_the_free_memory():

@@ -6,7 +6,7 @@ import torch
 from engine.detokenizer import StopChecker
 from engine.sampler import SampleRow, Sampler, filter_and_normalise
 from engine.sampling_params import SamplingParams
-from engine.testing import make_byte_tokenizer
+from tests.helpers.tiny_models import make_byte_tokenizer
 from tests.engine.fakes import make_seq
 
 EOS = 3

@@ -14,7 +14,7 @@ from engine.sampler import SampleRow
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.mask import fill_bitmask
 from engine.structured.state import GrammarState, unpack
-from engine.testing import make_byte_tokenizer
+from tests.helpers.tiny_models import make_byte_tokenizer
 
 
 # ---- the request model ------------------------------------------------------------------

@@ -35,7 +35,7 @@ FAST_RECOVERY_ENV = {
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-faults") / "model"))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from paged_cases import DEVICE, spy
 
 from engine import LLM, SamplingParams
-from engine.testing import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = [
     "Hello, paged world!",  # prefill of 19 tokens then decodes: crosses a 16-token block

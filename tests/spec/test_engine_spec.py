@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineLoop, SamplingParams, SpeculativeConfig
-from engine.testing import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = [
     "hello world hello world hello",

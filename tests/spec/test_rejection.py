@@ -18,7 +18,7 @@ from engine.model_hub import load_causal_lm
 from engine.sampler import SampleRow, filter_and_normalise
 from engine.sampling_params import SamplingParams
 from engine.spec.rejection import accept_greedy, accept_prefix, accept_resample, sample_rejection
-from engine.testing import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 from specbatch_kernels.counter_rng import ACCEPT, RESAMPLE, keys_tensor, row_key
 from specbatch_kernels.sampling import coupled_sample_torch
 from tests.engine.fakes import make_seq

@@ -38,7 +38,7 @@ def setup_run(tmp_path, redis_url, unique_queue, lines):
 
 
 def test_run_mixed_file(tmp_path, redis_url, unique_queue):
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     model = str(make_tiny_model(tmp_path / "tiny"))
     lines = [
@@ -89,7 +89,7 @@ def test_run_mixed_file(tmp_path, redis_url, unique_queue):
 
 def test_run_with_speculation_records_drafts(tmp_path, redis_url, unique_queue):
     """``--speculative ngram:4`` reaches the local worker's engine; drafts are counted per job."""
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     model = str(make_tiny_model(tmp_path / "tiny"))
     # A random tiny model falls into loops quickly: prompt lookup has plenty to propose.
@@ -110,7 +110,7 @@ def test_run_whose_engine_cannot_be_built_fails_at_once_with_its_cause(tmp_path,
     cause itself, exception type and message, is on the user's terminal, with the log named."""
     import torch
 
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     model = str(make_tiny_model(tmp_path / "tiny"))
     # No CUDA here: cuda:0 cannot be built; on a GPU machine, a device index past the last.

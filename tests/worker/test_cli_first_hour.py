@@ -21,10 +21,12 @@ from worker.store.models import SUCCEEDED
 from worker.api.status_view import render, take_snapshot
 from worker.store.store import Store, job_row
 
+from tests.helpers.batches import ingest_lines, job_ids
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-cli") / "model"))
 
@@ -41,9 +43,8 @@ def test_cancel_of_an_unknown_id_fails(sqlite_url, redis_url):
 
 def test_export_a_job_and_a_batch(sqlite_url):
     store = Store(sqlite_url)
-    rows = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i) for i in (1, 2, 3)]
-    batch_id = store.prepare_batch(name="b", input_file=None, model="m", rows=rows).batch_id
-    ids = [j.id for j in store.jobs(batch_id)]
+    batch_id = ingest_lines(store, [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in (1, 2, 3)], name="b").batch_id
+    ids = job_ids(store, batch_id)
     _finish(store, ids[0])
     _finish(store, ids[2])
     db = ["--database-url", sqlite_url]
@@ -60,8 +61,9 @@ def test_export_a_job_and_a_batch(sqlite_url):
 
 def test_status_lists_single_jobs_on_stdout_within_80_columns(sqlite_url):
     store = Store(sqlite_url)
-    job_id = store.add_job({"model": "a-model-with-a-rather-long-name-for-a-narrow-terminal", "prompt": "x",
-                            "custom_id": "my-own-id"})
+    job = job_row(model="a-model-with-a-rather-long-name-for-a-narrow-terminal", prompt="x", custom_id="my-own-id")
+    store.upsert_jobs([job])
+    job_id = job["id"]
     res = CliRunner().invoke(cli, ["--database-url", sqlite_url, "status", "--once"])
     assert res.exit_code == 0 and "single jobs" in res.stdout and job_id in res.stdout
     narrow = Console(file=io.StringIO(), width=80)

@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
-from worker.request.formats import BadLine, Request, check_lengths, output_line, parse_line, parse_lines
+from worker.request.formats import BadLine, Request, output_line, parse_line
 
 
 def chat_line(cid="a", **body):
@@ -59,14 +59,6 @@ def test_bad_lines_name_the_cause():
         assert needle in bad.message and bad.message.startswith("line 4:"), (text, bad.message)
 
 
-def test_duplicates_and_blank_lines():
-    parsed = parse_lines([chat_line("a"), "", chat_line("a"), "oops", chat_line("b")])
-    assert [r.custom_id for r in parsed.requests] == ["a", "b"]
-    assert [b.line_no for b in parsed.bad] == [3, 4]
-    assert "duplicate custom_id 'a' (first on line 1)" in parsed.bad[0].message
-    assert parsed.num_lines == 4
-
-
 def test_a_truncated_line_says_so_and_names_its_custom_id():
     """A file cut mid-line: the line is called truncated and keeps the custom_id it shows, not
     "malformed JSON at column 1" with custom_id None."""
@@ -79,13 +71,6 @@ def test_a_truncated_line_says_so_and_names_its_custom_id():
     wrong = parse_line('{"custom_id": "req-9" "body": {}}', 14)  # not cut: a missing comma
     assert wrong.message == "line 14: malformed JSON: Expecting ',' delimiter at column 23"
     assert wrong.custom_id == "req-9"
-
-
-def test_check_lengths_moves_long_prompts_to_bad():
-    parsed = parse_lines([chat_line("a"), '{"prompt": "' + "x" * 50 + '"}'])
-    check_lengths(parsed, lambda r: len(r.prompt or "hi"), max_model_len=20)
-    assert [r.custom_id for r in parsed.requests] == ["a"]
-    assert "over the model's context of 20" in parsed.bad[0].message
 
 
 def _job(**kw):

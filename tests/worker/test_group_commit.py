@@ -9,15 +9,15 @@ import pytest
 from sqlalchemy import text
 
 from worker.store.models import RUNNING, SUCCEEDED
-from worker.store.store import Store
+from worker.store.store import Store, job_row
 
 
 def test_concurrent_claims_and_results_share_transactions_and_each_gets_its_answer(db_url):
     store = Store(db_url, auto_upgrade=True, group_commit=True)
     n = 48
     for i in range(n):
-        store.add_job(dict(model="m", prompt=f"p{i}", id=f"j{i}"))
-    store.add_job(dict(model="m", prompt="dup", id="dup"))
+        store.upsert_jobs([job_row(model="m", prompt=f"p{i}", id=f"j{i}")])
+    store.upsert_jobs([job_row(model="m", prompt="dup", id="dup")])
     barrier = threading.Barrier(n + 4)
     claims, finished, dup_claims = {}, {}, []
 
@@ -49,7 +49,7 @@ def test_concurrent_claims_and_results_share_transactions_and_each_gets_its_answ
 def test_a_write_that_fails_fails_alone_and_its_group_still_commits(sqlite_url):
     store = Store(sqlite_url, auto_upgrade=True, group_commit=True)
     for i in range(3):
-        store.add_job(dict(model="m", prompt=f"p{i}", id=f"j{i}"))
+        store.upsert_jobs([job_row(model="m", prompt=f"p{i}", id=f"j{i}")])
     gate, holding = threading.Event(), threading.Event()
 
     def hold(conn):  # keeps the writer busy so the next writes queue up as one group
@@ -88,7 +88,7 @@ def test_a_write_that_fails_fails_alone_and_its_group_still_commits(sqlite_url):
 @pytest.mark.parametrize("group_commit", [True, False])
 def test_stopped_group_commit_writes_directly(sqlite_url, group_commit):
     store = Store(sqlite_url, auto_upgrade=True, group_commit=group_commit)
-    store.add_job(dict(model="m", prompt="p", id="j"))
+    store.upsert_jobs([job_row(model="m", prompt="p", id="j")])
     if store._group is not None:
         store._group.stop()
     assert store.claim("j", worker="w", device="cpu", lease_s=60, max_attempts=3).attempt == 1

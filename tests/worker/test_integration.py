@@ -20,7 +20,7 @@ N_JOBS = 200
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 

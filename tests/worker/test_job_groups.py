@@ -99,7 +99,7 @@ def test_the_pacing_window_counts_messages_and_asks_a_batch_for_as_many_jobs_as_
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
@@ -116,7 +116,7 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
 
     from tests.worker.test_integration import start_worker, wait_until
 
-    from worker.store.store import Store
+    from worker.store.store import Store, job_row
 
     store = Store(db_url, auto_upgrade=True)  # PostgreSQL is migrated explicitly, as in a deploy step
     client = Client(broker_url=redis_url, database_url=db_url, model=tiny_model, queue=unique_queue, store=store)
@@ -126,8 +126,10 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
         done = client.submit("done already", params={"max_tokens": 2, "temperature": 0}, model=tiny_model)
         assert client.wait(done, timeout=60) == SUCCEEDED
         before = client.store.get_job(done)
-        jobs = [client.store.add_job({"model": tiny_model, "prompt": f"group job {i}", "queue": unique_queue,
-                                      "params": {"max_tokens": 3, "temperature": 0}}) for i in range(6)]
+        rows = [job_row(model=tiny_model, prompt=f"group job {i}", queue=unique_queue,
+                        params={"max_tokens": 3, "temperature": 0}) for i in range(6)]
+        client.store.upsert_jobs(rows)
+        jobs = [row["id"] for row in rows]
         cancelled, other_model = jobs[4], jobs[5]
         client.store.cancel(job_ids=[cancelled])
         payloads = {p["id"]: p for p in client.store.payloads(jobs + [done])}

@@ -24,7 +24,7 @@ from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict
 
 from engine import LLM, SamplingParams
-from engine.testing import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 from worker.request.formats import BadLine, Request, error_param, output_line, parse_line
 from worker.request.openai_fields import RULES, fields_for, render_table
 from worker.request.convert import request_from_payload

@@ -7,14 +7,16 @@ import json
 
 from worker.store.models import QUEUED, SUCCEEDED
 from worker.ingest.output import OutputFile
-from worker.store.store import Store, job_row
+from worker.store.store import Store
+
+from tests.helpers.batches import ingest_lines, job_ids
 
 
 def _batch(store: Store, n: int, name: str = "b") -> tuple[str, list[str]]:
-    rows = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i) for i in range(1, n + 1)]
-    bad = [job_row(model="m", custom_id=None, line_no=n + 1, error=f"line {n + 1}: malformed JSON")]
-    prepared = store.prepare_batch(name=name, input_file=None, model="m", rows=rows, invalid_rows=bad)
-    return prepared.batch_id, [j.id for j in store.jobs(prepared.batch_id)]
+    """``n`` prompts and a malformed last line."""
+    lines = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(1, n + 1)] + ["{malformed"]
+    batch_id = ingest_lines(store, lines, name=name).batch_id
+    return batch_id, job_ids(store, batch_id)
 
 
 def _finish(store: Store, job_id: str) -> None:

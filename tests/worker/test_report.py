@@ -2,8 +2,8 @@
 Chromium) and ``specbatch status`` (rich, on stdout), checked against the store's own figures.
 
 The browser test reads a real ``specbatch run`` on the tiny model (speculation on, two invalid
-lines), so the plots show real timings; the rest build batches with the store's own writes
-(``prepare_batch``, ``claim``, ``finish``) on SQLite and PostgreSQL.
+lines), so the plots show real timings; the rest write batches through the streaming ingest and
+run their jobs with the store's own writes (``claim``, ``finish``) on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from worker.api.report import render_html, write_report
 from worker.api.status_view import render, take_snapshot
 from worker.store.store import INVALID_INPUT, Store
 from worker.api.summary import percentile
+
+from tests.helpers.batches import ingest_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE_ID = '<img src=x onerror="alert(1)">&amp;'  # a custom_id is user input: shown, never run
@@ -161,15 +163,12 @@ def cell(page: str, key: str) -> str:
 
 def make_batch(store: Store, *, n_ok: int, n_invalid: int = 0, name: str | None = None,
                custom_id=lambda i: f"c{i}") -> tuple[str, list[str]]:
-    rows = [{"id": uuid.uuid4().hex, "custom_id": custom_id(i), "line_no": i + 1, "model": "m", "prompt": f"p{i}",
-             "params": {}} for i in range(n_ok)]
-    bad = [{"id": uuid.uuid4().hex, "custom_id": f"bad{i}", "line_no": n_ok + i + 1, "model": "m",
-            "error": f"line {n_ok + i + 1}: malformed <json> & more"} for i in range(n_invalid)]
-    from worker.store.store import job_row
-
-    p = store.prepare_batch(name=name or uuid.uuid4().hex, input_file="in.jsonl", model="m",
-                            rows=[job_row(**r) for r in rows], invalid_rows=[job_row(**r) for r in bad])
-    return p.batch_id, [r["id"] for r in rows]
+    """``n_ok`` prompts, then ``n_invalid`` lines naming a model whose name must be escaped in HTML;
+    returns the batch and its good jobs' ids in line order."""
+    lines = [{"custom_id": custom_id(i), "prompt": f"p{i}"} for i in range(n_ok)]
+    lines += [{"custom_id": f"bad{i}", "prompt": "p", "model": "<json> & more"} for i in range(n_invalid)]
+    result = ingest_lines(store, lines, name=name or uuid.uuid4().hex, input_file="in.jsonl")
+    return result.batch_id, [j.id for j in store.jobs(result.batch_id) if j.error_type != INVALID_INPUT]
 
 
 def run_job(store: Store, job_id: str, *, worker: str = "w1@host", device: str = "cpu", tokens: int = 10,
@@ -222,7 +221,7 @@ def test_monitoring_queries(db_url):
 
     page = render_html(store, store.get_batch(batch_id))  # PostgreSQL and SQLite alike
     assert cell(page, "succeeded") == "3" and cell(page, "output-tokens") == "60"
-    assert "malformed &lt;json&gt; &amp; more" in page and "malformed <json>" not in page
+    assert "&lt;json&gt; &amp; more" in page and "<json>" not in page
     assert "2 job(s) still queued or running" in page
 
 

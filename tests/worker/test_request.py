@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from worker.config import model_slug
-from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, parse_line, parse_lines
+from worker.ingest.parse import GOOD, INVALID, numbered_lines, parse_chunk
+from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, parse_line
 from worker.request.convert import (OPENAI_SAMPLING_FIELDS, line_sampling_params, openai_sampling_params, request_from_payload,
                             with_seed)
 from worker.store.sqltypes import escape_nul, stored_length, unescape_nul
@@ -212,9 +213,11 @@ def test_reader_lines_that_once_crashed_or_corrupted():
         bad = parse_line(text, 2)
         assert isinstance(bad, BadLine) and needle in bad.message and bad.message.startswith("line 2: "), (text[:40], bad)
     assert isinstance(parse_line(b'\xef\xbb\xbf{"prompt": "bom"}', 1), Request)  # a UTF-8 BOM on line 1
-    # A file with one non-UTF-8 line still yields every other line.
-    parsed = parse_lines([b'{"prompt": "a"}', b'{"prompt": "\xff"}', b'{"prompt": "c"}'])
-    assert [r.prompt for r in parsed.requests] == ["a", "c"] and parsed.bad[0].line_no == 2
+    # A file with one non-UTF-8 line still yields every other line (the ingest's parsing step).
+    entries = parse_chunk(list(numbered_lines([b'{"prompt": "a"}', b'{"prompt": "\xff"}', b'{"prompt": "c"}'])),
+                          model="m", priority=1)
+    assert [(line_no, kind) for line_no, _cid, kind, _ in entries] == [(1, GOOD), (2, INVALID), (3, GOOD)]
+    assert [row["prompt"] for _, _, kind, row in entries if kind == GOOD] == ["a", "c"]
 
 
 @FUZZ

@@ -187,7 +187,7 @@ def test_cli_never_shows_a_password(tmp_path, pg_url):
     import subprocess
     import sys
 
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     root = Path(__file__).resolve().parents[2]
     model = str(make_tiny_model(tmp_path / "tiny"))

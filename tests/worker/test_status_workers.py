@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from tests.worker.test_report import make_batch, run_job
 from worker.api.cli import cli
 from worker.store.models import FAILED
-from worker.store.store import Store
+from worker.store.store import Store, job_row
 
 
 def _status(url: str, *args: str, env: dict[str, str] | None = None) -> str:
@@ -62,8 +62,10 @@ def test_status_piped_fits_80_columns(sqlite_url):
     for job_id in ids[:3]:
         run_job(store, job_id, end=time.time())
     run_job(store, ids[3], status=FAILED, error_type="structured_output_incomplete")
-    single = store.add_job(dict(model="a-model-with-a-long-name/SmolLM2-135M-Instruct", prompt="hi",
-                                custom_id="a-custom-id-that-is-long"))
+    job = job_row(model="a-model-with-a-long-name/SmolLM2-135M-Instruct", prompt="hi",
+                  custom_id="a-custom-id-that-is-long")
+    store.upsert_jobs([job])
+    single = job["id"]
     for args in ((), (batch_id,)):
         out = _status(sqlite_url, *args)
         too_wide = [line for line in out.splitlines() if len(line) > 80]

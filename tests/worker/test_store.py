@@ -11,6 +11,8 @@ from worker.store import migrate
 from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from worker.store.store import INVALID_INPUT, Store, job_row, unpublished_select
 
+from tests.helpers.batches import ingest_lines, job_ids
+
 
 def _store(url: str) -> Store:
     return Store(url, auto_upgrade=True)
@@ -46,7 +48,7 @@ def test_upsert_same_job_id_twice_keeps_one_row(db_url):
 
 def test_claim_fencing_refuses_older_attempt(db_url):
     store = _store(db_url)
-    store.add_job(dict(model="m", prompt="hi", id="j"))
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j")])
     c1 = store.claim("j", worker="w1", device="cpu", lease_s=0.0, max_attempts=5)
     assert c1.attempt == 1
     # A redelivered copy after the lease expired takes over as attempt 2 ...
@@ -65,7 +67,7 @@ def test_claim_fencing_refuses_older_attempt(db_url):
 
 def test_duplicate_while_live_is_skipped(db_url):
     store = _store(db_url)
-    store.add_job(dict(model="m", prompt="hi", id="j"))
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j")])
     assert store.claim("j", worker="w1", device="cpu", lease_s=60, max_attempts=5).attempt == 1
     dup = store.claim("j", worker="w2", device="cpu", lease_s=60, max_attempts=5)
     assert not dup.ok and "live" in dup.reason
@@ -73,7 +75,7 @@ def test_duplicate_while_live_is_skipped(db_url):
 
 def test_concurrent_claims_exactly_one_wins(db_url):
     store = _store(db_url)
-    store.add_job(dict(model="m", prompt="hi", id="j"))
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j")])
     results = []
     barrier = threading.Barrier(8)
 
@@ -92,7 +94,7 @@ def test_concurrent_claims_exactly_one_wins(db_url):
 
 def test_attempts_exhausted_fails_job(db_url):
     store = _store(db_url)
-    store.add_job(dict(model="m", prompt="hi", id="j"))
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j")])
     for _ in range(2):
         assert store.claim("j", worker="w", device="cpu", lease_s=0.0, max_attempts=2).ok
     c = store.claim("j", worker="w", device="cpu", lease_s=0.0, max_attempts=2)
@@ -106,41 +108,40 @@ def test_claim_recreates_missing_row_from_payload(db_url):
     assert store.claim("lost", worker="w", device="cpu", lease_s=60, max_attempts=3, payload=payload).attempt == 1
 
 
-def test_prepare_batch_rerun_skips_succeeded_and_retries_failed(db_url):
+def test_a_rerun_of_a_file_skips_succeeded_and_retries_failed_on_request(db_url):
     store = _store(db_url)
-    rows = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i + 1) for i in range(4)]
-    bad = [job_row(model="m", custom_id=None, line_no=5, error="line 5: bad json")]
-    p1 = store.prepare_batch(name="b", input_file="f", model="m", rows=rows, invalid_rows=bad)
-    assert len(p1.to_enqueue) == 4 and p1.invalid == 1
-    counts = store.batch_counts(p1.batch_id)
+    lines = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(4)] + ["{bad json"]
+    first = ingest_lines(store, lines, name="b", input_file="f")
+    assert first.enqueued == 4 and first.num_bad == 1
+    counts = store.batch_counts(first.batch_id)
     assert counts[QUEUED] == 4 and counts[FAILED] == 1
-    jobs = {j.custom_id: j for j in store.jobs(p1.batch_id)}
+    jobs = {j.custom_id: j for j in store.jobs(first.batch_id) if j.custom_id}
     # c0 succeeds, c1 fails, c2 is cancelled, c3 stays queued
     a = store.claim(jobs["c0"].id, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
     store.finish(jobs["c0"].id, a, {"status": SUCCEEDED})
     a = store.claim(jobs["c1"].id, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
     store.fail(jobs["c1"].id, a, "boom")
     store.cancel(job_ids=[jobs["c2"].id])
-    # Rerun the same file with fresh ids: matched by custom_id.
-    rows2 = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i + 1) for i in range(4)]
-    p2 = store.prepare_batch(name="b", input_file="f", model="m", rows=rows2, invalid_rows=bad)
-    assert p2.batch_id == p1.batch_id
-    assert p2.skipped_succeeded == 1 and p2.skipped_failed == 2
-    assert [r["custom_id"] for r in p2.to_enqueue] == ["c3"]
-    assert p2.to_enqueue[0]["id"] == jobs["c3"].id
+    # Rerun the same file (fresh ids drawn): matched by custom_id.
+    second = ingest_lines(store, lines, name="b", input_file="f")
+    assert second.batch_id == first.batch_id
+    assert second.skipped_succeeded == 1 and second.skipped_failed == 2 and second.enqueued == 1
+    after = {j.custom_id: j for j in store.jobs(first.batch_id) if j.custom_id}
+    assert {c: j.id for c, j in after.items()} == {c: j.id for c, j in jobs.items()}  # no row added
+    assert after["c3"].status == QUEUED and after["c3"].published_at is None  # back to the pacer
     # Invalid lines are replaced, not duplicated.
-    assert len([j for j in store.jobs(p1.batch_id) if j.error_type == INVALID_INPUT]) == 1
-    p3 = store.prepare_batch(name="b", input_file="f", model="m", rows=rows2, retry_failed=True)
-    assert sorted(r["custom_id"] for r in p3.to_enqueue) == ["c1", "c2", "c3"]
+    assert len([j for j in store.jobs(first.batch_id) if j.error_type == INVALID_INPUT]) == 1
+    third = ingest_lines(store, lines, name="b", input_file="f", retry_failed=True)
+    assert third.enqueued == 3 and third.skipped_succeeded == 1 and third.skipped_failed == 0
     assert store.get_job(jobs["c1"].id).status == QUEUED
     assert store.get_job(jobs["c2"].id).status == QUEUED
-    assert len(store.jobs(p1.batch_id)) == 4
+    assert len(store.jobs(first.batch_id)) == 5
 
 
 def test_cancel_marks_queued_and_running(db_url):
     store = _store(db_url)
-    store.add_job(dict(model="m", prompt="a", id="q"))
-    store.add_job(dict(model="m", prompt="b", id="r"))
+    store.upsert_jobs([job_row(model="m", prompt="a", id="q")])
+    store.upsert_jobs([job_row(model="m", prompt="b", id="r")])
     a = store.claim("r", worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
     cancelled, running = store.cancel(job_ids=["q", "r"])
     assert sorted(cancelled) == ["q", "r"] and running == ["r"]
@@ -152,22 +153,21 @@ def test_cancel_marks_queued_and_running(db_url):
 
 def test_refresh_batch_counts_and_finish(db_url):
     store = _store(db_url)
-    rows = [job_row(model="m", prompt="p", custom_id="c")]
-    p = store.prepare_batch(name=None, input_file=None, model="m", rows=rows)
-    jid = p.to_enqueue[0]["id"]
+    batch_id = ingest_lines(store, [{"custom_id": "c", "prompt": "p"}]).batch_id
+    [jid] = job_ids(store, batch_id)
     a = store.claim(jid, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
-    assert store.refresh_batch(p.batch_id)[RUNNING] == 1
-    assert store.get_batch(p.batch_id).finished_at is None
+    assert store.refresh_batch(batch_id)[RUNNING] == 1
+    assert store.get_batch(batch_id).finished_at is None
     store.finish(jid, a, {"status": SUCCEEDED})
-    store.refresh_batch(p.batch_id)
-    b = store.get_batch(p.batch_id)
+    store.refresh_batch(batch_id)
+    b = store.get_batch(batch_id)
     assert b.num_succeeded == 1 and b.num_total == 1 and b.finished_at is not None
 
 
 def test_heartbeat_many_refreshes_owned_attempts_and_names_the_lost(db_url):
     store = _store(db_url)
     for job_id in ("live", "cancelled", "superseded", "done"):
-        store.add_job(dict(model="m", prompt="p", id=job_id))
+        store.upsert_jobs([job_row(model="m", prompt="p", id=job_id)])
     att = {j: store.claim(j, worker="w", device="cpu", lease_s=60, max_attempts=3).attempt
            for j in ("live", "cancelled", "superseded", "done")}
     store.cancel(job_ids=["cancelled"])
@@ -188,7 +188,7 @@ def test_one_heartbeat_thread_aborts_what_was_cancelled(db_url):
 
     store = _store(db_url)
     for job_id in ("a", "b"):
-        store.add_job(dict(model="m", prompt="p", id=job_id))
+        store.upsert_jobs([job_row(model="m", prompt="p", id=job_id)])
     aborted: list[str] = []
     beat = Heartbeat(store, aborted.append, interval=3600)  # beats driven by hand below
     try:

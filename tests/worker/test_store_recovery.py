@@ -10,9 +10,10 @@ import time
 
 from sqlalchemy import event
 
-from worker.store import store as store_module
 from worker.store.models import FAILED, QUEUED, RUNNING
 from worker.store.store import Store, job_row
+
+from tests.helpers.batches import ingest_lines, job_ids
 
 
 def _store(url: str) -> Store:
@@ -78,14 +79,13 @@ def test_give_back_forgives_the_attempt_and_keeps_the_fence(db_url):
 
 def test_retry_failed_gives_fresh_attempts(db_url):
     store = _store(db_url)
-    rows = [job_row(model="m", prompt="p", custom_id="c", line_no=1)]
-    batch = store.prepare_batch(name="b", input_file=None, model="m", rows=rows)
-    job_id = batch.to_enqueue[0]["id"]
+    lines = [{"custom_id": "c", "prompt": "p"}]
+    [job_id] = job_ids(store, ingest_lines(store, lines, name="b").batch_id)
     for _ in range(2):
         attempt = store.claim(job_id, worker="w", device="cpu", lease_s=0, max_attempts=2).attempt
         store.fail(job_id, attempt, "boom") if attempt == 2 else None
     assert store.get_job(job_id).status == FAILED
-    store.prepare_batch(name="b", input_file=None, model="m", rows=rows, retry_failed=True)
+    assert ingest_lines(store, lines, name="b", retry_failed=True).enqueued == 1
     claim = store.claim(job_id, worker="w", device="cpu", lease_s=60, max_attempts=2)
     assert claim.ok and claim.attempt == 3  # runs again at once; the fence kept growing
 
@@ -116,14 +116,13 @@ def test_sqlite_reads_do_not_wait_for_the_write_lock(sqlite_url):
         writer.close()
 
 
-def test_a_large_batch_is_written_in_many_short_transactions(sqlite_url, monkeypatch):
-    monkeypatch.setattr(store_module, "INSERT_CHUNK", 100)
+def test_a_large_batch_is_written_in_many_short_transactions(sqlite_url):
     store = _store(sqlite_url)
     commits = []
     event.listen(store.engine, "commit", lambda conn: commits.append(1))
-    rows = [job_row(model="m", prompt=f"p{i}", custom_id=f"c{i}", line_no=i) for i in range(1000)]
-    prepared = store.prepare_batch(name="big", input_file=None, model="m", rows=rows)
-    assert len(prepared.to_enqueue) == 1000 and store.batch_counts(prepared.batch_id)[QUEUED] == 1000
+    lines = [{"custom_id": f"c{i}", "prompt": f"p{i}"} for i in range(1000)]
+    result = ingest_lines(store, lines, name="big", chunk=100)
+    assert result.enqueued == 1000 and store.batch_counts(result.batch_id)[QUEUED] == 1000
     assert len(commits) >= 10  # so a heartbeat's transaction waits for one chunk at most
 
 

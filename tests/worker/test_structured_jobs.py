@@ -30,7 +30,7 @@ def line(cid: str, max_tokens: int = 40, **body) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m"))
 

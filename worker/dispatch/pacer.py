@@ -13,14 +13,14 @@ One pacer per queue at a time (a Redis lock); a duplicate message would be harml
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 from worker.config import settings
 from worker.dispatch.publish import generation_budget, group_jobs, group_tokens, job_groups, publish_groups
+from worker.run.periodic import PeriodicThread
 
-log = logging.getLogger(__name__)
+#: Every this many ticks the pacer also closes drained batches (a few queries per open batch).
+CLOSE_EVERY_TICKS = 20
 
 
 def pacing_window() -> int:
@@ -31,7 +31,7 @@ def pacing_seconds() -> float:
     return settings().pacing_seconds
 
 
-class Pacer:
+class Pacer(PeriodicThread):
     def __init__(self, store: Any, app: Any, queues: list[str], *, owner: str = "producer",
                  window: int | None = None, interval: float | None = None) -> None:
         self.store = store
@@ -42,29 +42,14 @@ class Pacer:
         self.interval = pacing_seconds() if interval is None else interval
         self._turn = 0  # rotates which batch is served first when shares do not divide evenly
         self._per_message: dict[str, int] = {}  # batch id -> jobs a message of it carries, as last seen
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="specbatch-pacer", daemon=True)
+        self._ticks = 0  # ticks that succeeded, for closing drained batches every CLOSE_EVERY_TICKS
+        super().__init__("specbatch-pacer", self.interval, self._tick_and_close)
 
-    def start(self) -> "Pacer":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        ticks = 0
-        while not self._stop.is_set():
-            try:
-                self.tick()
-                ticks += 1
-                if ticks % 20 == 0:
-                    self.close_drained()
-            except Exception:  # database or broker away: try again next interval
-                log.warning("pacer tick failed", exc_info=True)
-            self._stop.wait(self.interval)
+    def _tick_and_close(self) -> None:
+        self.tick()
+        self._ticks += 1
+        if self._ticks % CLOSE_EVERY_TICKS == 0:
+            self.close_drained()
 
     def tick(self) -> int:
         """Top up every queue once; returns how many jobs were published."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
@@ -134,16 +134,6 @@ class BadLine:
     @property
     def message(self) -> str:
         return f"line {self.line_no}: {self.error}"
-
-
-@dataclass(slots=True)
-class Parsed:
-    requests: list[Request] = field(default_factory=list)
-    bad: list[BadLine] = field(default_factory=list)
-
-    @property
-    def num_lines(self) -> int:
-        return len(self.requests) + len(self.bad)
 
 
 def _pydantic_error(exc: ValidationError) -> str:
@@ -290,36 +280,6 @@ def _completion(line_no: int, cid: str, prompt: str | list[int], params: Samplin
     return Request(line_no, cid, "completions", params, prompt=prompt, model=model)
 
 
-def parse_lines(lines: Iterable[str | bytes], *, start: int = 1, model: str | None = None) -> Parsed:
-    """Parse every line; blank lines are skipped; duplicate custom_ids are bad lines."""
-    parsed = Parsed()
-    seen: dict[str, int] = {}
-    for line_no, text in enumerate(lines, start=start):
-        if not text.strip():
-            continue
-        item = parse_line(text, line_no, model=model)
-        if isinstance(item, Request):
-            first = seen.get(item.custom_id)
-            if first is not None:
-                parsed.bad.append(BadLine(line_no, f"duplicate custom_id {item.custom_id!r} (first on line {first})"))
-                continue
-            seen[item.custom_id] = line_no
-            parsed.requests.append(item)
-        else:
-            if item.custom_id is not None and item.custom_id in seen:
-                item.custom_id = None  # keep (batch_id, custom_id) unique in the store
-            elif item.custom_id is not None:
-                seen[item.custom_id] = line_no
-            parsed.bad.append(item)
-    return parsed
-
-
-def parse_file(path: str | Path, *, model: str | None = None) -> Parsed:
-    """Read as bytes so one line that is not UTF-8 is one bad line, not a failed file."""
-    with open(path, "rb") as fh:
-        return parse_lines(fh, model=model)
-
-
 def length_error(n: int | Exception, max_model_len: int) -> str | None:
     """Why a prompt of ``n`` tokens (or the error counting it) cannot run, or None: the same
     rule the engine applies at submission, checked up front so no job is wasted. A
@@ -330,23 +290,6 @@ def length_error(n: int | Exception, max_model_len: int) -> str | None:
         return (f"prompt is {n} tokens, over the model's context of {max_model_len} "
                 "(it must leave room for at least one output token)")
     return None
-
-
-def check_lengths(parsed: Parsed, count_tokens: Callable[[Request], int], max_model_len: int) -> None:
-    """Move requests whose prompt leaves no room in the context to the bad lines."""
-    keep = []
-    for req in parsed.requests:
-        try:
-            n: int | Exception = count_tokens(req)
-        except Exception as exc:
-            n = exc
-        error = length_error(n, max_model_len)
-        if error is None:
-            keep.append(req)
-        else:
-            parsed.bad.append(BadLine(req.line_no, error, req.custom_id))
-    parsed.requests = keep
-    parsed.bad.sort(key=lambda b: b.line_no)
 
 
 # ---- output lines ----------------------------------------------------------------------

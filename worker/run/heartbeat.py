@@ -10,14 +10,13 @@ with per-job beats, 0.99x with almost none). One thread refreshes them all in on
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any, Callable
 
-log = logging.getLogger(__name__)
+from worker.run.periodic import PeriodicThread
 
 
-class Heartbeat:
+class Heartbeat(PeriodicThread):
     """Refresh the leases of this process's running attempts every ``interval`` seconds."""
 
     def __init__(self, store: Any, abort: Callable[[str], None], interval: float) -> None:
@@ -28,9 +27,9 @@ class Heartbeat:
         self._lost: dict[str, str] = {}  # job id -> why the tracked attempt no longer owns it
         self._superseded: dict[tuple[str, int], str] = {}  # (job id, older attempt) -> why, until untracked
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="specbatch-heartbeat", daemon=True)
-        self._thread.start()
+        # A failed beat (the database is away) is logged and the next one tried: leases simply age meanwhile.
+        super().__init__("specbatch-heartbeat", interval, self.beat, first_now=False)
+        self.start()
 
     def track(self, job_id: str, attempt: int, request_id: str) -> None:
         """Refresh this attempt's lease from now on. An older attempt of the same job still
@@ -88,15 +87,3 @@ class Heartbeat:
             self.abort(owned[job_id][1])
             aborted.append(job_id)
         return aborted
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat()
-            except Exception:  # database down: keep going; leases simply age meanwhile
-                log.exception("heartbeat failed")

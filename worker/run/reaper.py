@@ -23,7 +23,6 @@ a database the reapers still reach keeps no such grace: its jobs are reaped afte
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from worker.config import settings
 from worker.dispatch.publish import publish_jobs, queued_job_ids
+from worker.run.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def orphan_grace_seconds() -> float:
     return settings().orphan_grace_seconds
 
 
-class Reaper:
+class Reaper(PeriodicThread):
     """Sweep every ``interval`` seconds for the queues this worker consumes."""
 
     def __init__(self, store: Any, app: Any, queues: list[str], *, worker: str, lease_s: float,
@@ -66,23 +66,7 @@ class Reaper:
         # until an outage is seen (a worker starting is not a database coming back).
         self._reachable_since = float("-inf")
         self._unreachable = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="specbatch-reaper", daemon=True)
-
-    def start(self) -> "Reaper":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            self.sweep_or_log()
-            if self._stop.wait(self.interval):
-                return
+        super().__init__("specbatch-reaper", self.interval, self.sweep_or_log)
 
     def sweep_or_log(self) -> dict[str, int] | None:
         """``sweep``, or None when the database or the broker is away (tried again next interval)."""

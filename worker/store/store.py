@@ -129,12 +129,6 @@ class PreparedBatch:
     skipped_failed: int = 0
     invalid: int = 0
 
-    def add(self, other: "PreparedBatch") -> None:
-        self.to_enqueue += other.to_enqueue
-        self.skipped_succeeded += other.skipped_succeeded
-        self.skipped_failed += other.skipped_failed
-        self.invalid += other.invalid
-
 
 JOB_PAYLOAD_FIELDS = ("id", "model", "endpoint", "prompt", "prompt_token_ids_in", "messages", "params",
                       "batch_id", "custom_id", "line_no", "priority")
@@ -196,37 +190,6 @@ class Store:
             return conn.execute(stmt, list(rows)).rowcount
         with self._write() as c:
             return c.execute(stmt, list(rows)).rowcount
-
-    def add_job(self, row: dict[str, Any]) -> str:
-        row = job_row(**row)
-        self.upsert_jobs([row])
-        return row["id"]
-
-    def prepare_batch(
-        self,
-        *,
-        name: str | None,
-        input_file: str | None,
-        model: str,
-        rows: Sequence[dict[str, Any]],
-        invalid_rows: Sequence[dict[str, Any]] = (),
-        params: dict[str, Any] | None = None,
-        retry_failed: bool = False,
-        priority: int | None = None,
-        max_in_flight: int | None = None,
-    ) -> PreparedBatch:
-        """Create (or reopen, by ``name``) a batch and write all its rows at once: the in-memory
-        form of ``open_batch`` + ``write_chunk`` per ``INSERT_CHUNK`` rows + ``finish_ingest``
-        (``worker.ingest.stream`` streams a file through the same three steps)."""
-        batch_id, reopened = self.open_batch(name=name, input_file=input_file, model=model, params=params,
-                                             priority=priority, max_in_flight=max_in_flight)
-        prepared = PreparedBatch(batch_id=batch_id)
-        for chunk in _chunks(list(rows), INSERT_CHUNK):
-            prepared.add(self.write_chunk(batch_id, chunk, (), reopened=reopened, retry_failed=retry_failed))
-        for chunk in _chunks(list(invalid_rows), INSERT_CHUNK):
-            prepared.add(self.write_chunk(batch_id, (), chunk, reopened=reopened, retry_failed=retry_failed))
-        self.finish_ingest(batch_id)
-        return prepared
 
     def open_batch(self, *, name: str | None, input_file: str | None, model: str,
                    params: dict[str, Any] | None = None, priority: int | None = None,

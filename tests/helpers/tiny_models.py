@@ -2,6 +2,8 @@
 
 Nothing is downloaded: the tokenizer is built from the 256 byte values plus the chat-template
 specials, and the weights are random (seeded), so a test can make one in well under a second.
+The tests, the benchmarks (``bench/``, run from the repository root) and CI's smoke test
+(``.ci/smoke.py``) import it from here; it is not part of the installed package.
 """
 
 from __future__ import annotations
