@@ -101,3 +101,12 @@ def test_the_worker_command_reads_its_flags_into_the_process_settings(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "no-model" in proc.stdout + proc.stderr
+
+
+def test_the_workers_batch_default_is_the_engines(monkeypatch):
+    """``max_num_seqs`` has one default: the engine's (the worker's setting restates it so that
+    reading settings never imports torch)."""
+    from engine.config import EngineConfig
+
+    monkeypatch.delenv("SPECBATCH_MAX_NUM_SEQS", raising=False)
+    assert Settings().max_num_seqs == EngineConfig.max_num_seqs
