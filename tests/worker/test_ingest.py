@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import redis
 
-from worker import ingest as ingest_module
+from worker.ingest import stream as ingest_module
 from worker.api.client import Client
 from worker.ingest.stream import Ingest, SeenIds
 from worker.dispatch.lanes import lane_queues

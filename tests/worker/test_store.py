@@ -7,7 +7,7 @@ import time
 
 from sqlalchemy import inspect
 
-from worker import migrate
+from worker.store import migrate
 from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from worker.store.store import INVALID_INPUT, Store, job_row, unpublished_select
 

@@ -10,7 +10,7 @@ import time
 
 from sqlalchemy import event
 
-from worker import store as store_module
+from worker.store import store as store_module
 from worker.store.models import FAILED, QUEUED, RUNNING
 from worker.store.store import Store, job_row
 
