@@ -265,8 +265,8 @@ def bench_db(kind: str, tmp: Path, server: RedisServer, small: Path, big: Path, 
         say(f"Redis: used_memory +{delta / 1024:.0f} KiB with {b['lines']:,} jobs queued = {delta / b['lines']:.2f} "
             f"bytes per queued job (goal <= 300); {in_redis} messages in Redis (the pacing window; the rest wait "
             f"in the store), {key_bytes / max(in_redis, 1):.0f} bytes per message (MEMORY USAGE of the queue; "
-            f"a message is {msg_len:.0f} bytes of JSON, {body_len:.0f} of them the base64 body: the job's id and "
-            "payload, prompt included)")
+            f"a message is {msg_len:.0f} bytes of JSON, {body_len:.0f} of them the base64 body: the job ids "
+            "only)")
         r.delete(*lanes)
         if not args.no_first_claim:
             report_first_claim(db, broker, big, tmp, args, say)

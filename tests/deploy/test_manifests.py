@@ -6,7 +6,6 @@ those tools are installed (``.ci/run`` installs both)."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess

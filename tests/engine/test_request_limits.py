@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine import EngineLoop, LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from worker.request.convert import request_from_payload
+from worker.request.convert import request_from_row
 
 CONTEXT = 48
 
@@ -35,10 +35,10 @@ def test_max_tokens_past_the_context_ends_with_length(loop):
         loop.submit(list(range(CONTEXT)), params=SamplingParams(max_tokens=1))
 
 
-def _bad_payloads(rng: random.Random) -> list:
-    """Hostile payloads: wrong types, out-of-range numbers, broken prompts and messages."""
+def _bad_rows(rng: random.Random) -> list[dict]:
+    """Hostile job rows: wrong types, out-of-range numbers, broken prompts and messages."""
     return [
-        None, [], "prompt", {"prompt": ""}, {"prompt": []}, {"prompt": [10**9]}, {"prompt": [-1, 2]},
+        {}, {"prompt": ""}, {"prompt": []}, {"prompt": [10**9]}, {"prompt": [-1, 2]},
         {"prompt": [True]}, {"prompt": "x", "messages": [{"role": "user", "content": "y"}]},
         {"messages": []}, {"messages": [{"role": "user"}]}, {"messages": "hi"}, {"messages": [["user", "hi"]]},
         {"prompt": "x", "params": {"temperature": float("nan")}}, {"prompt": "x", "params": {"n": 10**6}},
@@ -53,17 +53,17 @@ def _bad_payloads(rng: random.Random) -> list:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.randoms(use_true_random=False))
 def test_loop_never_stalls_on_bad_requests(loop, rng):
-    """Bad payloads interleaved with good ones through the task's own path: each bad one fails
+    """Bad job rows interleaved with good ones through the task's own path: each bad one fails
     at submission (``ValueError``), and every request the loop accepted finishes."""
-    bad = _bad_payloads(rng)
+    bad = _bad_rows(rng)
     rng.shuffle(bad)
     handles = []
-    for i, payload in enumerate(bad):
+    for i, row in enumerate(bad):
         good = json.loads(json.dumps({"prompt": f"good {i}", "params": {
             "max_tokens": 1 + rng.randrange(6), "temperature": rng.random(), "seed": rng.randrange(2**63)}}))
-        for item in (good, payload):
+        for item in (good, row):
             try:
-                req = request_from_payload(item)
+                req = request_from_row(item)
                 handles.append((item is good, loop.submit(req.prompt, messages=req.messages, params=req.params)))
             except ValueError:
                 assert item is not good

@@ -132,8 +132,8 @@ def _job_ids(raw: bytes) -> list[str]:
 
     message = json.loads(raw)[0]
     args = json.loads(base64.b64decode(message["body"]))[0]
-    if args and isinstance(args[0], list):  # specbatch.generate_group: [[job id, payload], ...]
-        return [job_id for job_id, _ in args[0]]
+    if args and isinstance(args[0], list):  # specbatch.generate_group: [job id, ...]
+        return args[0]
     return [args[0]]
 
 

@@ -69,7 +69,7 @@ def test_a_write_that_fails_fails_alone_and_its_group_still_commits(sqlite_url):
     first.start()
     assert holding.wait(10)
     threads = [threading.Thread(target=call, args=(f"claim{i}", lambda conn, i=i: store._claim(
-        conn, f"j{i}", worker="w", device="cpu", lease_s=60, max_attempts=3, payload=None, queue=None)))
+        conn, f"j{i}", worker="w", device="cpu", lease_s=60, max_attempts=3, queue=None)))
         for i in range(3)]
     threads.append(threading.Thread(target=call, args=("bad", lambda conn: conn.execute(text("SELECT * FROM nope")))))
     for t in threads:

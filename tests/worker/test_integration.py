@@ -117,7 +117,7 @@ def test_duplicate_messages_in_flight_yield_one_result(sqlite_url, redis_url, un
                         queue=unique_queue)
     sub = client.submit_batch([{"custom_id": f"d{i}", "prompt": f"dup {i}", "max_tokens": 48, "ignore_eos": True}
                                for i in range(10)], name="dups")
-    client.publish(client.store.payloads([j.id for j in client.store.jobs(sub.batch_id)]))  # now twice in the queue
+    client.publish(client.store.message_rows([j.id for j in client.store.jobs(sub.batch_id)]))  # now twice in the queue
     worker = start_worker(client, settings, tmp_path, seqs=8)
     try:
         counts = client.wait(sub.batch_id, timeout=120)

@@ -4,11 +4,12 @@ running a group whose entries go wrong in every way a message can, each failing 
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
 
-from worker.dispatch.publish import GROUP_HEADER, generation_budget, job_groups, publish_jobs, queued_job_ids
+from worker.dispatch.publish import GROUP_HEADER, generation_budget, job_groups, queued_job_ids
 
 
 def _row(i: int, max_tokens: int | None, queue: str = "q", n: int | None = None) -> dict:
@@ -62,6 +63,11 @@ def test_a_batch_of_short_jobs_becomes_few_messages_and_the_sweep_sees_every_job
         groups = [m["headers"][GROUP_HEADER] for m in messages if m["headers"]["task"] == "specbatch.generate_group"]
         assert sorted(len(g) for g in groups) == [4, 32, 32, 32]
         assert queued_job_ids(r, unique_queue) == ids  # the orphan sweep finds every job in them
+        # A message carries its job ids and nothing else of them: the store holds the requests.
+        bodies = {m["headers"]["id"]: json.loads(base64.b64decode(m["body"])) for m in messages}
+        for m in messages:
+            named = m["headers"].get(GROUP_HEADER) or m["headers"]["id"]
+            assert bodies[m["headers"]["id"]] == [[named], {}, bodies[m["headers"]["id"]][2]]
         group = next(m for m in messages if m["headers"]["task"] == "specbatch.generate_group")
         # Flower shows every job of a group by its custom_id, line, batch and id.
         shown = group["headers"]["argsrepr"]
@@ -106,13 +112,14 @@ def tiny_model(tmp_path_factory):
 
 def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, unique_queue, tiny_model, tmp_path):
     """One group message: good jobs, one already succeeded, one cancelled before it ran, one for
-    another model, one unknown id without a payload, a malformed entry and a duplicate. The
-    good ones succeed once, each bad one ends as it would alone, the worker lives on."""
-    from worker.dispatch.app import GROUP_TASK_NAME
+    another model, an id with no row, a malformed entry and a duplicate. The good ones succeed
+    once, each bad one ends as it would alone, nothing is made of the missing one, the worker
+    lives on. Messages of the format before ids only (``[job id, payload]``) still run, from
+    the store: their payloads are ignored."""
+    from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME
     from worker.api.client import Client
     from worker.config import Settings
     from worker.store.models import CANCELLED, FAILED, SUCCEEDED
-    from worker.dispatch.publish import payload_of
 
     from tests.worker.test_integration import start_worker, wait_until
 
@@ -127,22 +134,23 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
         assert client.wait(done, timeout=60) == SUCCEEDED
         before = client.store.get_job(done)
         rows = [job_row(model=tiny_model, prompt=f"group job {i}", queue=unique_queue,
-                        params={"max_tokens": 3, "temperature": 0}) for i in range(6)]
+                        params={"max_tokens": 3, "temperature": 0}) for i in range(8)]
+        rows[5]["model"] = "gpt-9-ultra"
         client.store.upsert_jobs(rows)
         jobs = [row["id"] for row in rows]
-        cancelled, other_model = jobs[4], jobs[5]
+        cancelled, other_model, old_group, old_single = jobs[4], jobs[5], jobs[6], jobs[7]
         client.store.cancel(job_ids=[cancelled])
-        payloads = {p["id"]: p for p in client.store.payloads(jobs + [done])}
-        payloads[other_model] = dict(payloads[other_model], model="gpt-9-ultra")
-        entries = [[job_id, payload_of(payloads[job_id])] for job_id in jobs + [done]]
-        entries += [["no-such-job", None], 42, [jobs[0], payload_of(payloads[jobs[0]])]]
-        client.app.send_task(GROUP_TASK_NAME, args=(entries,), queue=unique_queue)
+        client.app.send_task(GROUP_TASK_NAME, args=(jobs[:6] + [done, "no-such-job", 42, jobs[0]],), queue=unique_queue)
+        stale = {"prompt": "not this one", "params": {"max_tokens": 1}}  # what an old message carried
+        client.app.send_task(GROUP_TASK_NAME, args=([[old_group, stale], [None, stale]],), queue=unique_queue)
+        client.app.send_task(TASK_NAME, args=(old_single, stale), queue=unique_queue)
 
         wait_until(lambda: all(client.store.get_job(j).status in (SUCCEEDED, FAILED, CANCELLED) for j in jobs),
                    timeout=60)
-        for job_id in jobs[:4]:
+        for job_id in jobs[:4] + [old_group, old_single]:
             job = client.store.get_job(job_id)
             assert job.status == SUCCEEDED and job.attempts == 1 and job.num_output_tokens == 3, job_id
+            assert job.queue == unique_queue and job.prompt.startswith("group job")
         assert client.store.get_job(cancelled).status == CANCELLED
         assert client.store.get_job(cancelled).attempts == 0
         wrong = client.store.get_job(other_model)
@@ -150,6 +158,7 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
         after = client.store.get_job(done)
         assert (after.attempts, after.finished_at, after.output_text) == (before.attempts, before.finished_at,
                                                                           before.output_text)
+        assert client.store.get_job("no-such-job") is None  # a message never makes a job
         # The worker is alive and takes new work.
         marker = client.submit("after the group", params={"max_tokens": 2}, model=tiny_model)
         assert client.wait(marker, timeout=60) == SUCCEEDED
@@ -158,6 +167,8 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
         worker.stop()
     log = (tmp_path / "worker.log").read_text()
     assert "group message entry ignored: 42" in log
+    assert "group message entry ignored: None" in log
     assert f"job {done} skipped: already succeeded" in log
-    assert "job no-such-job not claimed" in log
+    assert "job no-such-job: no such job in the store; its message is dropped" in log
+    assert "job no-such-job skipped: unknown job" in log
     assert log.count(f"job {jobs[0]} attempt 1 stored") == 1  # the duplicate entry skipped

@@ -10,7 +10,6 @@ vLLM's request models, so a new upstream field fails here until it is classified
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +26,7 @@ from engine import LLM, SamplingParams
 from tests.helpers.tiny_models import make_tiny_model
 from worker.request.formats import BadLine, Request, error_param, output_line, parse_line
 from worker.request.openai_fields import RULES, fields_for, render_table
-from worker.request.convert import request_from_payload
+from worker.request.convert import request_from_row
 from worker.run.tasks import result_values
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,11 +211,10 @@ def run_batch_in_process(client, llm, batch_id: str) -> None:
     store, engine = client.store, llm.engine
     jobs = store.jobs(batch_id, statuses=["queued"])
     started = []
-    payloads = {p["id"]: p for p in store.payloads([j.id for j in jobs])}
     for job in jobs:
-        payload = payloads[job.id]
-        attempt = store.claim(job.id, worker="test", device="cpu", lease_s=60, max_attempts=3).attempt
-        req = request_from_payload(payload)
+        claim = store.claim(job.id, worker="test", device="cpu", lease_s=60, max_attempts=3)
+        attempt = claim.attempt
+        req = request_from_row(claim.job)
         try:
             request = engine.make_request(req.prompt, messages=req.messages, params=req.params, request_id=job.id)
         except ValueError as exc:

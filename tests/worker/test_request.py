@@ -1,5 +1,5 @@
 """One request model: ``SamplingParams`` owns defaults and bounds; the reader, the client's
-OpenAI mapping and the task payload only build it. Fuzzed with 10,000 cases each: every
+OpenAI mapping and the claimed job row only build it. Fuzzed with 10,000 cases each: every
 input is a request or a clear error for its own line, never another exception."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from worker.config import model_slug
 from worker.ingest.parse import GOOD, INVALID, numbered_lines, parse_chunk
 from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, parse_line
-from worker.request.convert import (OPENAI_SAMPLING_FIELDS, line_sampling_params, openai_sampling_params, request_from_payload,
+from worker.request.convert import (OPENAI_SAMPLING_FIELDS, line_sampling_params, openai_sampling_params, request_from_row,
                             with_seed)
 from worker.store.sqltypes import escape_nul, stored_length, unescape_nul
 
@@ -240,16 +240,16 @@ def test_fuzz_jsonl_reader(text, model):
     json.dumps(item.messages, ensure_ascii=False).encode("utf-8")  # storable as JSON
 
 
-# ---- the task payload ----------------------------------------------------------------
-payloads = st.fixed_dictionaries(
+# ---- the claimed row ----------------------------------------------------------------
+rows = st.fixed_dictionaries(
     {}, optional={"id": values, "model": values, "endpoint": values,
                   "prompt": nasty_text | st.lists(st.integers(-5, 400), max_size=5) | values,
                   "prompt_token_ids_in": st.lists(st.integers(-5, 400) | values, max_size=5) | values,
                   "messages": messages | values,
                   "params": param_dicts | st.builds(lambda p: with_seed(p).to_dict(), st.just(SamplingParams())) | values},
-) | values
+)
 near_sampling = near_params.map(lambda d: {k: v for k, v in d.items() if k not in ("max_completion_tokens", "user")})
-near_payloads = st.one_of(
+near_rows = st.one_of(
     st.builds(lambda pr, p: {"prompt": pr, "params": p}, near_prompt, near_sampling),
     st.builds(lambda pr, p: {"prompt_token_ids_in": pr, "params": p}, st.lists(st.integers(-1, 300), max_size=70),
               near_sampling),
@@ -266,12 +266,12 @@ def tiny_engine(tiny_model_dir):
 
 
 @FUZZ
-@given(payload=near_payloads | payloads)
-def test_fuzz_task_payload_to_engine_request(tiny_engine, payload):
-    """What a worker receives -> the engine request, through the same two calls as the task
-    (``request_from_payload`` then the engine's ``make_request``), without running a model."""
+@given(row=near_rows | rows)
+def test_fuzz_claimed_row_to_engine_request(tiny_engine, row):
+    """What a worker's claim returns -> the engine request, through the same two calls as the
+    task (``request_from_row`` then the engine's ``make_request``), without running a model."""
     try:
-        req = request_from_payload(payload)
+        req = request_from_row(row)
         request = tiny_engine.make_request(req.prompt, messages=req.messages, params=req.params, request_id="j#1")
     except ValueError as exc:
         assert str(exc) and len(str(exc)) < 1000
@@ -281,12 +281,12 @@ def test_fuzz_task_payload_to_engine_request(tiny_engine, payload):
     assert request.params.max_tokens <= 64 - len(request.prompt_token_ids)
 
 
-def test_payload_built_by_the_producer_round_trips():
+def test_row_stored_by_the_producer_round_trips():
     params = with_seed(openai_sampling_params({"max_completion_tokens": 3, "temperature": 0.7}))
-    payload = json.loads(json.dumps({"prompt": "hi", "params": params.to_dict()}))  # what Celery carries
-    assert request_from_payload(payload).params == params
+    row = json.loads(json.dumps({"prompt": "hi", "params": params.to_dict(only_set=True)}))  # a JSON column
+    assert request_from_row(row).params == params
     with pytest.raises(ValueError, match="exactly one"):
-        request_from_payload({"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
+        request_from_row({"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
 
 
 # ---- stored text -----------------------------------------------------------------------

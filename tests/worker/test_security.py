@@ -21,6 +21,7 @@ from tests.worker.redis_servers import free_port, make_certs, redis_binary, redi
 from worker.dispatch.app import make_app
 from worker.api.client import Client
 from worker.request.formats import output_line, write_jsonl
+from worker.store.models import Job
 from worker.store.store import Store
 
 pytestmark = pytest.mark.integration
@@ -76,12 +77,15 @@ def test_hostile_ids_and_prompts_round_trip(db_url, redis_url, unique_queue, tmp
         assert set(rows) == {*HOSTILE_IDS, "big"}
         assert rows["big"]["response"]["body"]["choices"][0]["text"] == big
         assert rows[HOSTILE_IDS[0]]["error"]["message"].endswith(f"error about {HOSTILE_IDS[0]}\x00")
-        # The published messages carry the same text.
+        # The published messages carry the job ids only (the 10 MB prompt stays in the store);
+        # Flower's view of them names each job by its custom_id.
         with client.app.connection_for_read() as conn:
             q = conn.SimpleQueue(unique_queue)
             bodies = [q.get(timeout=10) for _ in lines]
             q.close()
-        assert {b.payload[0][1]["custom_id"] for b in bodies} == {*HOSTILE_IDS, "big"}
+        assert sorted(b.payload[0][0] for b in bodies) == sorted(j.id for j in jobs.values())
+        assert all(b.payload[0][1:] == [] and len(b.body) < 1000 for b in bodies)
+        assert all(f"custom_id={cid!r}" in "".join(b.headers["argsrepr"] for b in bodies) for cid in HOSTILE_IDS)
     finally:
         redis.Redis.from_url(redis_url).delete(unique_queue)
         store.dispose()
@@ -130,7 +134,7 @@ def test_a_pickled_task_message_is_refused_and_nothing_runs(redis_url, unique_qu
 
 
 # ---- Redis with a password, Redis over TLS -----------------------------------------------
-def _submit_and_receive(broker_url: str, tmp_path: Path) -> dict:
+def _submit_and_receive(broker_url: str, tmp_path: Path) -> Job:
     """Submit one job through the real Client and take its message off the queue."""
     queue = f"gen.sec-{uuid.uuid4().hex[:8]}"
     client = Client(broker_url=broker_url, database_url=f"sqlite:///{tmp_path / 'sb.db'}", model="tiny", queue=queue)
@@ -138,18 +142,19 @@ def _submit_and_receive(broker_url: str, tmp_path: Path) -> dict:
     with client.app.connection_for_read() as conn:
         message = conn.SimpleQueue(f"{queue}.interactive").get(timeout=10)  # one job rides the interactive lane
     assert message.content_type == "application/json"
-    job, payload = message.payload[0]
-    assert job == job_id and payload["prompt"] == "hello" and payload["params"]["max_tokens"] == 3
+    assert message.payload[0] == [job_id]  # the job's id only: the store holds the request
     message.ack()
-    return payload
+    job = client.store.get_job(job_id)
+    assert job.prompt == "hello" and job.params["max_tokens"] == 3
+    return job
 
 
 def test_redis_with_a_password(tmp_path):
     binary, port, password = redis_binary(), free_port(), uuid.uuid4().hex
     args = ["--port", str(port), "--bind", "127.0.0.1", "--requirepass", password]
     with redis_server(binary, args, tmp_path, ["-p", str(port), "-a", password, "--no-auth-warning"]):
-        payload = _submit_and_receive(f"redis://:{password}@127.0.0.1:{port}/0", tmp_path)
-        assert payload["params"]["seed"] is not None  # recorded by the producer
+        job = _submit_and_receive(f"redis://:{password}@127.0.0.1:{port}/0", tmp_path)
+        assert job.params["seed"] is not None  # recorded by the producer
         with pytest.raises(Exception) as wrong:
             Client(broker_url=f"redis://:not-{password}@127.0.0.1:{port}/0",
                    database_url=f"sqlite:///{tmp_path / 'sb2.db'}", model="tiny").submit("x")

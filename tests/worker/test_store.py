@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
-from sqlalchemy import inspect
+from sqlalchemy import func, inspect, select
 
 from worker.store import migrate
-from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from worker.store.store import INVALID_INPUT, Store, job_row, unpublished_select
 
 from tests.helpers.batches import ingest_lines, job_ids
@@ -73,9 +74,9 @@ def test_duplicate_while_live_is_skipped(db_url):
     assert not dup.ok and "live" in dup.reason
 
 
-def test_concurrent_claims_exactly_one_wins(db_url):
+def test_concurrent_claims_exactly_one_wins_and_only_it_gets_the_request(db_url):
     store = _store(db_url)
-    store.upsert_jobs([job_row(model="m", prompt="hi", id="j")])
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j", params={"max_tokens": 3})])
     results = []
     barrier = threading.Barrier(8)
 
@@ -90,6 +91,55 @@ def test_concurrent_claims_exactly_one_wins(db_url):
         t.join()
     assert sum(c.ok for c in results) == 1
     assert store.get_job("j").attempts == 1
+    [won] = [c for c in results if c.ok]
+    assert won.job["prompt"] == "hi" and won.job["params"] == {"max_tokens": 3}
+    assert all(c.job is None for c in results if not c.ok)
+
+
+def test_racing_claims_on_two_connections_one_wins(db_url):
+    """Two stores (two connection pools, as two worker processes) claim the same jobs at once:
+    each job is won by exactly one, and the winner alone has its request."""
+    stores = [_store(db_url), Store(db_url)]
+    ids = [f"r{i}" for i in range(20)]
+    stores[0].upsert_jobs([job_row(model="m", prompt=f"p {job_id}", id=job_id) for job_id in ids])
+    barrier = threading.Barrier(2)
+    claims: list[list] = [[], []]
+
+    def go(i):
+        barrier.wait()
+        claims[i] = stores[i].claim_many(ids, worker=f"w{i}", device="cpu", lease_s=60, max_attempts=5)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for job_id, first, second in zip(ids, *claims):
+        assert first.ok != second.ok, job_id
+        won = first if first.ok else second
+        assert won.attempt == 1 and won.job["prompt"] == f"p {job_id}"
+    for store in stores:
+        store.dispose()
+
+
+def test_the_claim_returns_the_request_it_claims(db_url):
+    store = _store(db_url)
+    messages = [{"role": "user", "content": "hi ☃"}]
+    store.upsert_jobs([
+        job_row(model="m", messages=messages, id="chat", params={"temperature": 0, "logit_bias": {"7": 1.5}},
+                custom_id="c", priority=0, queue="q.interactive"),
+        job_row(model="m", prompt_token_ids_in=[1, 2, 3], id="ids", queue="q"),
+    ])
+    chat = store.claim("chat", worker="w", device="cpu", lease_s=60, max_attempts=3, queue="q.interactive")
+    assert chat.job == {"model": "m", "prompt": None, "prompt_token_ids_in": None, "messages": messages,
+                        "params": {"temperature": 0, "logit_bias": {"7": 1.5}}, "priority": 0, "custom_id": "c",
+                        "queue": "q.interactive"}
+    ids = store.claim_many(["ids"], worker="w", device="cpu", lease_s=0, max_attempts=3)[0]
+    assert ids.job["prompt_token_ids_in"] == [1, 2, 3] and ids.job["queue"] == "q"  # no queue given: kept
+    # Taking over an expired lease returns the request too (and records the lost attempt).
+    again = store.claim("ids", worker="w2", device="cpu", lease_s=0, max_attempts=3, queue="q2")
+    assert again.attempt == 2 and again.job["prompt_token_ids_in"] == [1, 2, 3] and again.job["queue"] == "q2"
+    assert [a.outcome for a in store.attempt_history("ids")] == ["lost"]
 
 
 def test_attempts_exhausted_fails_job(db_url):
@@ -102,10 +152,20 @@ def test_attempts_exhausted_fails_job(db_url):
     assert store.get_job("j").status == FAILED
 
 
-def test_claim_recreates_missing_row_from_payload(db_url):
+def test_a_message_for_a_missing_row_is_dropped_and_nothing_is_inserted(db_url, caplog):
+    """The store is the only truth: a message whose job has no row (a database restored from
+    an older backup) makes no job; it is dropped, with a warning."""
     store = _store(db_url)
-    payload = dict(id="lost", model="m", prompt="hi", endpoint="completions", params={})
-    assert store.claim("lost", worker="w", device="cpu", lease_s=60, max_attempts=3, payload=payload).attempt == 1
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="here")])
+    with caplog.at_level(logging.WARNING, logger="worker.store.store"):
+        lost = store.claim("lost", worker="w", device="cpu", lease_s=60, max_attempts=3, queue="q")
+        both = store.claim_many(["lost", "here"], worker="w", device="cpu", lease_s=60, max_attempts=3)
+    assert (lost.ok, lost.reason, lost.job) == (False, "unknown job", None)
+    assert not both[0].ok and both[0].reason == "unknown job" and both[1].attempt == 1
+    assert store.get_job("lost") is None
+    with store.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Job)).scalar_one() == 1
+    assert "job lost: no such job in the store; its message is dropped" in caplog.text
 
 
 def test_a_rerun_of_a_file_skips_succeeded_and_retries_failed_on_request(db_url):

@@ -66,9 +66,9 @@ def test_reaping_a_job_out_of_attempts_fails_it_with_the_cause(db_url):
 
 def test_give_back_forgives_the_attempt_and_keeps_the_fence(db_url):
     store = _store(db_url)
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j", queue="q")])
     for _ in range(3):  # drained three times in a row: never "attempts exhausted"
-        attempt = store.claim("j", worker="w", device="cpu", lease_s=60, max_attempts=1,
-                              payload=dict(id="j", model="m", prompt="hi", params={}), queue="q").attempt
+        attempt = store.claim("j", worker="w", device="cpu", lease_s=60, max_attempts=1, queue="q").attempt
         assert attempt is not None
         assert store.give_back("j", attempt, "drained", forgive=True)
         assert not store.give_back("j", attempt, "again")  # only the owner can give it back
@@ -95,7 +95,8 @@ def test_stale_queued_names_jobs_not_published_lately(db_url):
     store.upsert_jobs([job_row(model="m", prompt="old", id="old", queue="q", enqueued_at=time.time() - 100),
                        job_row(model="m", prompt="new", id="new", queue="q")])
     assert store.stale_queued(50, ["q"]) == [("old", "q")]
-    assert store.payloads(["old"])[0]["prompt"] == "old"
+    assert store.message_rows(["old"]) == [{"id": "old", "queue": "q", "model": "m", "priority": None, "params": {},
+                                            "batch_id": None, "custom_id": None, "line_no": None}]
     store.mark_published(["old"], recovered=True)
     assert store.stale_queued(50, ["q"]) == []
 

@@ -9,7 +9,6 @@ reuses one producer and connection and builds each Celery message directly.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +18,14 @@ from sqlalchemy.exc import OperationalError
 
 from engine.sampling_params import SamplingParams
 
-from worker.dispatch.app import TASK_NAME, make_app
+from worker.dispatch.app import make_app
 from worker.config import Settings, queue_name
 from worker.dispatch.lanes import BULK, INTERACTIVE, lane_queue, lane_queues, parse_priority
 from worker.store.dbretry import with_db_retry
 from worker.dispatch.embedded import ensure_broker_url
 from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, output_line
 from worker.ingest.stream import Ingest, IngestResult
-from worker.store.models import QUEUED, RUNNING, TERMINAL
+from worker.store.models import TERMINAL
 from worker.dispatch.pacer import Pacer
 from worker.dispatch.publish import publish_jobs
 from worker.request.convert import openai_sampling_params, with_seed

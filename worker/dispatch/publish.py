@@ -1,15 +1,18 @@
 """Task messages: small JSON, sent through one producer and connection.
 
 Producers, the lease reaper, the orphan sweep and a worker giving a job back all publish the
-same way, so a job's message looks the same whoever sends it: task id = job id, the job's
-payload as the only argument besides its id, nothing but JSON.
+same way, so a job's message looks the same whoever sends it: task id = job id, the job id as
+its only argument, nothing but JSON. A message carries ids only: the store is the one truth, and
+the worker's claim returns each job's request with the claim (``Store.claim``). A message
+from before that (``[job id, payload]``) still works: its ids are taken, its payload ignored
+(``message_job_ids``).
 
 The pacer sends a batch's short jobs several to a message (``job_groups``): a one-token job's
 own message cost its worker more than its generation (Celery's receive, events, ack and a task
 thread each: bench/tiny_jobs.py), so a message carries about a fixed amount of work, up to
 ``GROUP_JOBS`` jobs and ``GROUP_TOKENS`` tokens to generate. Long jobs still travel alone, so
-work spreads across workers as before. A group message names its jobs in the
-``specbatch_jobs`` header, which the orphan sweep reads (``queued_job_ids``).
+work spreads across workers as before. A group message's one argument is the list of its job
+ids; it names them in the ``specbatch_jobs`` header too, which the orphan sweep reads (``queued_job_ids``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from engine.sampling_params import DEFAULT_MAX_TOKENS
 
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME
 from worker.config import settings
-from worker.store.store import JOB_PAYLOAD_FIELDS, new_id
+from worker.store.store import new_id
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +36,6 @@ GROUP_HEADER = "specbatch_jobs"
 #: Reconnect with backoff while Redis restarts (about a minute in all), then give up: the job
 #: rows are in the store already and the orphan sweep publishes whatever never reached Redis.
 RETRY_POLICY = {"max_retries": 30, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 3.0}
-
-
-def payload_of(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: row.get(k) for k in JOB_PAYLOAD_FIELDS}
 
 
 def args_repr(row: dict[str, Any]) -> str:
@@ -103,7 +102,8 @@ def group_args_repr(rows: Sequence[dict[str, Any]]) -> str:
 
 def publish_jobs(app, rows: Sequence[dict[str, Any]], queue_of: Callable[[dict[str, Any]], str], *,
                  retry: bool = True, grouped: bool = False) -> int:
-    """Publish the job rows, one task message each or, ``grouped``, several short jobs to a
+    """Publish the jobs (rows with their id and what ``queue_of`` and grouping read:
+    ``Store.message_rows``), one task message each or, ``grouped``, several short jobs to a
     message (``job_groups``); ``queue_of(row)`` names a row's queue. Returns the jobs published."""
     groups = job_groups(rows, queue_of) if grouped else [[row] for row in rows]
     return publish_groups(app, groups, queue_of, retry=retry)
@@ -129,13 +129,13 @@ def publish_groups(app, groups: Sequence[Sequence[dict[str, Any]]], queue_of: Ca
                 row = group[0]
                 name = TASK_NAME
                 message = amqp.create_task_message(
-                    row["id"], TASK_NAME, (row["id"], payload_of(row)), {}, create_sent_event=True,
+                    row["id"], TASK_NAME, (row["id"],), {}, create_sent_event=True,
                     ignore_result=True, argsrepr=args_repr(row), kwargsrepr="{}",
                 )
             else:
                 name = GROUP_TASK_NAME
                 message = amqp.create_task_message(
-                    new_id(), GROUP_TASK_NAME, ([[row["id"], payload_of(row)] for row in group],), {},
+                    new_id(), GROUP_TASK_NAME, ([row["id"] for row in group],), {},
                     create_sent_event=True, ignore_result=True, kwargsrepr="{}",
                     argsrepr=group_args_repr(group),
                 )
@@ -143,6 +143,22 @@ def publish_groups(app, groups: Sequence[Sequence[dict[str, Any]]], queue_of: Ca
             amqp.send_task_message(producer, name, message, queue=queue, declare=[queue],
                                    retry=retry, retry_policy=RETRY_POLICY)
     return sum(len(group) for group in groups)
+
+
+def message_job_ids(entries: Any) -> list[str]:
+    """The job ids a group message names, in order: its list of ids, or (a message published
+    before messages carried ids only) the id of each ``[job id, payload]`` pair, the payload
+    ignored. A hostile entry is logged and skipped: a real job it hid is still queued in the
+    store, and the orphan sweep publishes it again."""
+    ids: list[str] = []
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, (list, tuple)) and len(entry) == 2:
+            entry = entry[0]
+        if isinstance(entry, str):
+            ids.append(entry)
+        else:
+            log.warning("group message entry ignored: %s", repr(entry)[:200])
+    return ids
 
 
 def queued_job_ids(redis_client, queue: str, limit: int = 1_000_000) -> set[str]:

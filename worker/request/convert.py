@@ -2,7 +2,7 @@
 
 ``SamplingParams`` owns every default and bound; this module only maps names onto it: the
 OpenAI body fields of a bulk line or a ``Client.submit`` call (``openai_sampling_params``),
-and the task payload a worker receives (``request_from_payload``). Every failure is a
+and the stored job a worker's claim returns (``request_from_row``). Every failure is a
 ``ValueError`` naming the field, so a bad request fails its own job and nothing else.
 """
 
@@ -185,25 +185,24 @@ class WorkRequest:
     priority: int = 1  # the engine's scheduling priority (worker.dispatch.lanes); bulk when unset
 
 
-def request_from_payload(payload: Any) -> WorkRequest:
-    """The engine request a task payload (a job row's ``JOB_PAYLOAD_FIELDS``) describes.
+def request_from_row(job: dict[str, Any]) -> WorkRequest:
+    """The engine request a claimed job's row describes (``Claim.job``: ``CLAIM_FIELDS``).
 
     Prompt shape, tokenisation and length are the engine's ``make_request`` checks; this only
-    finds the parts and builds the sampling params the producer stored.
+    finds the parts and rebuilds the sampling params the producer checked and stored (their own
+    checks run again as they are built: the row may come from another version's producer).
     """
-    if not isinstance(payload, dict):
-        raise ValueError(f"payload must be an object, got {type(payload).__name__}")
-    prompt = payload.get("prompt")
+    prompt = job.get("prompt")
     if prompt is None:
-        prompt = payload.get("prompt_token_ids_in")
-    messages = payload.get("messages")
+        prompt = job.get("prompt_token_ids_in")
+    messages = job.get("messages")
     if (prompt is None) == (messages is None):
-        raise ValueError("payload needs exactly one of prompt, prompt_token_ids_in or messages")
-    params = payload.get("params")
+        raise ValueError("a job needs exactly one of prompt, prompt_token_ids_in or messages")
+    params = job.get("params")
     from worker.dispatch.lanes import parse_priority
 
     return WorkRequest(prompt, messages, SamplingParams.from_dict({} if params is None else params),
-                       parse_priority(payload.get("priority")))
+                       parse_priority(job.get("priority")))
 
 
 def _brief(value: Any) -> str:

@@ -126,4 +126,4 @@ class Reaper(PeriodicThread):
                 missing += [job_id for job_id in mine if job_id not in present]
         orphans = [job_id for job_id in missing if job_id in self._missing_before]
         self._missing_before = set(missing) - set(orphans)
-        return self.store.payloads(orphans) if orphans else []
+        return self.store.message_rows(orphans) if orphans else []

@@ -28,7 +28,7 @@ from worker.run.exit_codes import (
     EXIT_STOP_HUNG,
     EXIT_STORE_UNREACHABLE,
 )
-from worker.dispatch.lanes import lane_queue, lane_queues, parse_priority
+from worker.dispatch.lanes import lane_queues
 
 log = logging.getLogger(__name__)
 
@@ -191,13 +191,6 @@ class Runtime:
 
                 self.heartbeat = Heartbeat(store, self.loop.abort, interval)
             return self.heartbeat
-
-    def queue_of(self, payload: dict[str, Any]) -> str:
-        """The lane queue a job of this worker's model goes back to."""
-        try:
-            return lane_queue(self.queue, parse_priority(payload.get("priority")))
-        except ValueError:
-            return self.queue
 
     def add_inflight(self, job_id: str, request_id: str) -> None:
         """Record a request submitted for ``job_id``. One that reaches here after the drain
@@ -460,7 +453,7 @@ def _give_back_inflight(why: str) -> None:
         from worker.dispatch.app import app
         from worker.dispatch.publish import publish_jobs
 
-        publish_jobs(app, store().payloads(given), lambda row: row.get("queue") or rt.queue)
+        publish_jobs(app, store().message_rows(given), lambda row: row.get("queue") or rt.queue)
     except Exception:
         log.warning("could not publish %d given-back job(s); the orphan sweep will", len(given), exc_info=True)
 

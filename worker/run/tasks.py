@@ -29,28 +29,25 @@ from worker.config import model_slug, settings
 from worker.store.dbretry import with_db_retry
 from worker.request.logprobs import Pieces, pack
 from worker.store.models import FAILED, SUCCEEDED
-from worker.request.convert import request_from_payload
+from worker.dispatch.publish import message_job_ids, publish_groups, publish_jobs
+from worker.request.convert import request_from_row
 from worker.store.store import Claim
 
 log = logging.getLogger(__name__)
 
 
-def hand_back(rt: runtime.Runtime, job_id: str, payload: dict[str, Any]) -> str:
+def hand_back(job_ids: list[str], queue: str) -> str:
     """Not taking this message (draining or dead): publish a copy, so it is acked, not lost."""
-    from worker.dispatch.publish import publish_jobs
-
     try:
-        publish_jobs(app, [payload], lambda _row: rt.queue_of(payload))
-    except Exception:  # Redis away too: the job is still queued in the store; the orphan sweep has it
-        log.warning("could not hand back %s; the orphan sweep will", job_id, exc_info=True)
+        publish_groups(app, [[{"id": job_id} for job_id in job_ids]], lambda _row: queue)
+    except Exception:  # Redis away too: the jobs are still queued in the store; the orphan sweep has them
+        log.warning("could not hand back %s; the orphan sweep will", ", ".join(job_ids)[:200], exc_info=True)
     return "handed back"
 
 
-def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: dict[str, Any], reason: str,
+def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[str, Any], reason: str,
               *, forgive: bool) -> str:
     """Put a claimed job back in the queue at once (queued, a new message), not failed."""
-    from worker.dispatch.publish import publish_jobs
-
     death = engine_death(rt)
     if death is not None:  # whatever the task saw (a refused submit, a broken pipe), the death is why
         from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
@@ -61,7 +58,7 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
                          until_written=True):
         return "fenced"
     try:
-        publish_jobs(app, [dict(payload, id=job_id)], lambda _row: rt.queue_of(payload))
+        publish_jobs(app, [{"id": job_id}], lambda _row: job.get("queue") or rt.queue)
     except Exception:
         log.warning("could not publish given-back %s; the orphan sweep will", job_id, exc_info=True)
     log.info("job %s attempt %s given back: %s", job_id, attempt, reason)
@@ -69,23 +66,24 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, payload: di
 
 
 @app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
-def generate(self, job_id: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Returns a compact summary (Flower shows it as the task's result; the store has the rest)."""
-    return run_jobs(self, [(job_id, payload)])[0]
+def generate(self, job_id: str, _payload: Any = None) -> dict[str, Any]:
+    """Returns a compact summary (Flower shows it as the task's result; the store has the rest).
+    ``_payload``: what a message published before messages carried ids only still holds; ignored."""
+    return run_jobs(self, [job_id])[0]
 
 
 @app.task(name=GROUP_TASK_NAME, bind=True, acks_late=True, ignore_result=True)
 def generate_group(self, jobs: list[Any]) -> dict[str, Any]:
     """Several short jobs of one message (``worker.dispatch.publish.job_groups``), each claimed, run and
     stored as if it had come alone; the message is acked once all of them are stored."""
-    pairs: list[tuple[str, Any]] = []
-    for item in jobs if isinstance(jobs, list) else []:
-        if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str):
-            pairs.append((item[0], item[1]))
-        else:  # a hostile entry: no job to fail; a real job it hid is still queued in the store
-            log.warning("group message entry ignored: %s", repr(item)[:200])
-    summaries = run_jobs(self, pairs)
+    summaries = run_jobs(self, message_job_ids(jobs))
     return {"jobs": len(summaries), "status": dict(Counter(s["status"] for s in summaries)), "results": summaries}
+
+
+def message_queue(task, rt: runtime.Runtime) -> str:
+    """The queue this task's message came from: its jobs' queue, where their next message goes."""
+    info = task.request.delivery_info or {}
+    return info.get("routing_key") or rt.queue
 
 
 @dataclass(slots=True)
@@ -95,7 +93,7 @@ class Running:
     index: int
     job_id: str
     attempt: int
-    payload: dict[str, Any]
+    job: dict[str, Any]  # the claimed row's request columns (``Claim.job``)
     req: Any  # worker.request.convert.WorkRequest
     request_id: str
     handle: Any  # the engine loop's request handle (``.future``)
@@ -103,26 +101,26 @@ class Running:
     aborted_because: str | None = None
 
 
-def run_jobs(task, jobs: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+def run_jobs(task, job_ids: list[str]) -> list[dict[str, Any]]:
     """Claim, run and store each job; one summary per job, in order.
 
     Check the store first (a job that already succeeded is never generated again), claim new
-    attempts (one write for all), submit them to the running loop, wait while the process's
-    one heartbeat keeps the leases fresh, and write each result, fenced by its attempt, as it
-    finishes (those finishing together in one write)."""
+    attempts (one write for all, which returns each job's request), submit them to the running
+    loop, wait while the process's one heartbeat keeps the leases fresh, and write each result,
+    fenced by its attempt, as it finishes (those finishing together in one write)."""
+    if not job_ids:
+        return []
     rt = runtime.get()
     store = runtime.store()
-    jobs = [(job_id, payload if isinstance(payload, dict) else {"malformed_payload": repr(payload)[:200]})
-            for job_id, payload in jobs]  # a hostile payload: its job fails as invalid below
-    held = _Held(rt.group_slots if len(jobs) > 1 else None)  # a lone job (interactive ones are) never waits here
+    queue = message_queue(task, rt)
+    held = _Held(rt.group_slots if len(job_ids) > 1 else None)  # a lone job (interactive ones are) never waits here
     try:
         while held.slots is not None and not held.count and not (rt.dead or rt.draining):
-            held.take(min(len(jobs), held.slots.total))  # a group bigger than the bound still runs
+            held.take(min(len(job_ids), held.slots.total))  # a group bigger than the bound still runs
         if rt.dead or rt.draining:
-            return [task_summary(job_id, payload, hand_back(rt, job_id, payload)) for job_id, payload in jobs]
-        if not jobs:
-            return []
-        return _run_held(task, rt, store, jobs, held)
+            outcome = hand_back(job_ids, queue)
+            return [task_summary(job_id, outcome) for job_id in job_ids]
+        return _run_held(task, rt, store, job_ids, queue, held)
     finally:
         held.release(held.count)
 
@@ -146,16 +144,14 @@ class _Held:
             self.count -= n
 
 
-def _run_held(task, rt: runtime.Runtime, store, jobs: list[tuple[str, dict[str, Any]]],
-              held: _Held) -> list[dict[str, Any]]:
+def _run_held(task, rt: runtime.Runtime, store, job_ids: list[str], queue: str, held: _Held) -> list[dict[str, Any]]:
     worker = task.request.hostname or runtime.worker_name(rt.label)
     claims = with_db_retry("claim", lambda: store.claim_many(
-        [(job_id, payload, rt.queue_of(payload)) for job_id, payload in jobs],
-        worker=worker, device=rt.label, lease_s=settings().lease_seconds,
-        max_attempts=settings().max_attempts))
-    outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(jobs)
+        job_ids, worker=worker, device=rt.label, lease_s=settings().lease_seconds,
+        max_attempts=settings().max_attempts, queue=queue))
+    outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(job_ids)
     running: list[Running] = []
-    for index, ((job_id, payload), claim) in enumerate(zip(jobs, claims)):
+    for index, (job_id, claim) in enumerate(zip(job_ids, claims)):
         if isinstance(claim, Exception):
             log.warning("job %s not claimed: %r", job_id, claim)
             outcomes[index] = (f"skipped: claim failed: {claim!r}"[:200], None)
@@ -165,31 +161,32 @@ def _run_held(task, rt: runtime.Runtime, store, jobs: list[tuple[str, dict[str, 
             outcomes[index] = (f"skipped: {claim.reason}", None)
             continue
         try:
-            started = start_claimed(rt, store, index, job_id, claim.attempt, payload)
+            started = start_claimed(rt, store, index, job_id, claim.attempt, claim.job)
         except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
             log.exception("job %s attempt %s crashed in the worker", job_id, claim.attempt)
-            started = (give_back(rt, store, job_id, claim.attempt, payload, f"worker error: {exc!r}",
+            started = (give_back(rt, store, job_id, claim.attempt, claim.job, f"worker error: {exc!r}",
                                  forgive=False), None)
         if isinstance(started, Running):
             running.append(started)
         else:
             outcomes[index] = started
-    held.release(len(jobs) - len(running))
+    held.release(len(job_ids) - len(running))
     if running:
         for index, outcome in wait_and_store(rt, store, running):
             outcomes[index] = outcome
             held.release()
     summaries = []
-    for (job_id, payload), claim, (outcome, values) in zip(jobs, claims, outcomes):
-        if rt.metrics is not None and isinstance(claim, Claim) and claim.ok:
+    for job_id, claim, (outcome, values) in zip(job_ids, claims, outcomes):
+        won = isinstance(claim, Claim) and claim.ok
+        if rt.metrics is not None and won:
             rt.metrics.observe_job(outcome.replace(" ", "_"), values, enqueued_at=claim.enqueued_at,
                                    queue_wait_s=(claim.started_at - claim.enqueued_at) if claim.enqueued_at else None)
-        summaries.append(task_summary(job_id, payload, outcome, values))
+        summaries.append(task_summary(job_id, outcome, values, custom_id=claim.job.get("custom_id") if won else None))
     return summaries
 
 
-def task_summary(job_id: str, payload: dict[str, Any], outcome: str,
-                 values: dict[str, Any] | None = None) -> dict[str, Any]:
+def task_summary(job_id: str, outcome: str, values: dict[str, Any] | None = None, *,
+                 custom_id: str | None = None) -> dict[str, Any]:
     """The task's result as Flower shows it: what happened and the job's key figures, small."""
     summary: dict[str, Any] = {"status": outcome}
     if values:
@@ -203,7 +200,7 @@ def task_summary(job_id: str, payload: dict[str, Any], outcome: str,
         )
         if values.get("error"):
             summary["error"] = str(values["error"])[:200]
-    summary.update(custom_id=payload.get("custom_id"), job=job_id)
+    summary.update(custom_id=custom_id, job=job_id)
     return summary
 
 
@@ -212,32 +209,33 @@ def _round(value: float | None) -> float | None:
 
 
 def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: int,
-                  payload: dict[str, Any]) -> Running | tuple[str, dict[str, Any] | None]:
-    """Submit a claimed job to the engine (``Running``), or say at once what happened to it
-    (failed as invalid or for the wrong model, given back) and the result columns written."""
+                  job: dict[str, Any]) -> Running | tuple[str, dict[str, Any] | None]:
+    """Submit a claimed job (``job``: the request columns its claim returned) to the engine
+    (``Running``), or say at once what happened to it (failed as invalid or for the wrong model,
+    given back) and the result columns written."""
     request_id = f"{job_id}#{attempt}"
-    if model_slug(payload.get("model", rt.model)) != model_slug(rt.model):
+    if model_slug(job["model"]) != model_slug(rt.model):
         with_db_retry("fail", lambda: store.fail(
-            job_id, attempt, f"this worker serves {rt.model!r}, not {payload.get('model')!r}", "wrong_model"),
+            job_id, attempt, f"this worker serves {rt.model!r}, not {job['model']!r}", "wrong_model"),
             until_written=True)
         return FAILED, {"error_type": "wrong_model", "finished_at": time.time()}
     if rt.dead or rt.draining or not rt.loop.running:
         why = "drained: the worker is shutting down" if rt.draining else "engine unavailable: worker stopping"
-        return give_back(rt, store, job_id, attempt, payload, why, forgive=True), None
+        return give_back(rt, store, job_id, attempt, job, why, forgive=True), None
     try:
-        req = request_from_payload(payload)
+        req = request_from_row(job)
         handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id,
                                 priority=req.priority)
     except ValueError as exc:  # bad input: fail this job only, never retry it
         with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"), until_written=True)
         return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
     except RuntimeError as exc:  # the loop is shutting down or dead
-        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc}", forgive=True), None
+        return give_back(rt, store, job_id, attempt, job, f"engine unavailable: {exc}", forgive=True), None
     except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
-        return give_back(rt, store, job_id, attempt, payload, f"engine unavailable: {exc!r}", forgive=True), None
+        return give_back(rt, store, job_id, attempt, job, f"engine unavailable: {exc!r}", forgive=True), None
     rt.add_inflight(job_id, request_id)
     rt.heartbeats(store, settings().heartbeat_seconds).track(job_id, attempt, request_id)  # one thread refreshes every lease
-    return Running(index, job_id, attempt, payload, req, request_id, handle, time.time() + settings().max_job_seconds)
+    return Running(index, job_id, attempt, job, req, request_id, handle, time.time() + settings().max_job_seconds)
 
 
 def engine_death(rt: runtime.Runtime, wait_s: float = 5.0) -> BaseException | None:
@@ -305,7 +303,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                     elif values["finish_reason"] == "abort" and values["status"] == SUCCEEDED:
                         values.update(status=FAILED, error="aborted", error_type="aborted")
                 if back is not None:
-                    outcome = give_back(rt, store, r.job_id, r.attempt, r.payload, back[0], forgive=back[1])
+                    outcome = give_back(rt, store, r.job_id, r.attempt, r.job, back[0], forgive=back[1])
                     heartbeat.untrack(r.job_id, r.attempt)
                     rt.forget_inflight(r.job_id, r.request_id)
                     yield r.index, (outcome, None)

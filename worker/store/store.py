@@ -10,10 +10,10 @@ across threads (Sessions never are).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -23,7 +23,7 @@ from sqlalchemy import (JSON, Boolean, Connection, Engine, Integer, Select, Stri
                         create_engine, delete, event, func, insert, literal, or_, select, tuple_, update)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 from . import json_text, migrate
 from worker.config import settings
@@ -33,6 +33,7 @@ from worker.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, S
 from worker.store.models import GIVEN_BACK, LOST, W_EXITED
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 INVALID_INPUT = "invalid_input"  # error_type of a bad input line (never enqueued)
 
@@ -107,12 +108,14 @@ def make_engine(url: str) -> Engine:
 
 @dataclass(slots=True)
 class Claim:
-    """What ``Store.claim`` decided: run it as ``attempt``, or skip it and why."""
+    """What ``Store.claim`` decided: run it as ``attempt`` (``job``: the request columns the
+    claim's write returned, ``CLAIM_FIELDS``), or skip it and why."""
 
     attempt: int | None
     reason: str = ""
     enqueued_at: float | None = None  # of a won claim: its queue wait ends now
     started_at: float | None = None
+    job: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -130,8 +133,14 @@ class PreparedBatch:
     invalid: int = 0
 
 
-JOB_PAYLOAD_FIELDS = ("id", "model", "endpoint", "prompt", "prompt_token_ids_in", "messages", "params",
-                      "batch_id", "custom_id", "line_no", "priority")
+#: What a publisher reads of a job to send its message: the id the message carries, and what
+#: routes it (queue, or model and priority), groups it (params: its tokens to generate) and
+#: labels it for Flower (batch, custom_id, line). Never the prompt: the claim returns that.
+MESSAGE_FIELDS = ("id", "queue", "model", "priority", "params", "batch_id", "custom_id", "line_no")
+
+#: What a won claim returns of its job (``UPDATE … RETURNING``): the worker's request, from
+#: the store, never from a message.
+CLAIM_FIELDS = ("model", "prompt", "prompt_token_ids_in", "messages", "params", "priority", "custom_id", "queue")
 
 
 class Store:
@@ -351,39 +360,39 @@ class Store:
                                 ).scalar()
 
     # ---- worker side -------------------------------------------------------------------
-    def claim(
-        self, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
-        payload: dict[str, Any] | None = None, queue: str | None = None,
-    ) -> Claim:
-        """Start a new attempt of ``job_id``, or say why not (done, live elsewhere, …).
+    def claim(self, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
+              queue: str | None = None) -> Claim:
+        """Start a new attempt of ``job_id`` and return its request with it, or say why not
+        (done, live elsewhere, no such job, …).
 
         Compare-and-swap on (status, attempts): of two copies racing, exactly one wins.
+        ``queue``: the queue the job's message came from, recorded for its next message.
         """
         return self._write_op(lambda conn: self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
-                                                       max_attempts=max_attempts, payload=payload, queue=queue))
+                                                       max_attempts=max_attempts, queue=queue))
 
-    def claim_many(self, jobs: Sequence[tuple[str, dict[str, Any] | None, str | None]], *, worker: str, device: str,
-                   lease_s: float, max_attempts: int) -> list[Claim | Exception]:
-        """``claim`` of each (job id, payload, queue) in one write (a group message's jobs).
-        A claim that raises (a hostile payload) is retried alone and its error returned in its
-        place, so it fails only its own job; an unreachable database raises, as ``claim``."""
+    def claim_many(self, job_ids: Sequence[str], *, worker: str, device: str, lease_s: float, max_attempts: int,
+                   queue: str | None = None) -> list[Claim | Exception]:
+        """``claim`` of each job id in one write (a group message's jobs). A claim that raises
+        is retried alone and its error returned in its place, so it fails only its own job; an
+        unreachable database raises, as ``claim``."""
         def claim_all(conn: Connection) -> list[Claim]:
             return [self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
-                                max_attempts=max_attempts, payload=payload, queue=queue)
-                    for job_id, payload, queue in jobs]
+                                max_attempts=max_attempts, queue=queue)
+                    for job_id in job_ids]
 
         try:
             return list(self._write_op(claim_all))
         except (OperationalError, InterfaceError):
             raise
         except Exception:
-            if len(jobs) == 1:
+            if len(job_ids) == 1:
                 raise
         out: list[Claim | Exception] = []
-        for job_id, payload, queue in jobs:
+        for job_id in job_ids:
             try:
                 out.append(self.claim(job_id, worker=worker, device=device, lease_s=lease_s,
-                                      max_attempts=max_attempts, payload=payload, queue=queue))
+                                      max_attempts=max_attempts, queue=queue))
             except (OperationalError, InterfaceError):
                 raise
             except Exception as exc:
@@ -391,16 +400,15 @@ class Store:
         return out
 
     def _claim(self, conn: Connection, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
-               payload: dict[str, Any] | None, queue: str | None) -> Claim:
+               queue: str | None) -> Claim:
         for _ in range(5):
             now = time.time()
             row = conn.execute(_CLAIM_READ, {"p_job_id": job_id}).first()
             if row is None:
-                if payload is None:
-                    return Claim(None, "unknown job")
-                # The message carries the payload: recreate a row lost with its database.
-                self.upsert_jobs([job_row(**payload, enqueued_at=now)], conn=conn)
-                continue
+                # The store is the only truth: a message never makes a job (its row may be gone
+                # with a database restored from an older backup; nothing says it should run).
+                log.warning("job %s: no such job in the store; its message is dropped", job_id)
+                return Claim(None, "unknown job")
             status, attempts, heartbeat, forgiven, enqueued_at, last_worker, last_device, last_started = row
             if status in TERMINAL:
                 return Claim(None, f"already {status}")
@@ -416,17 +424,17 @@ class Store:
                                   "died or lost its lease mid-job")
                 )
                 return Claim(None, "attempts exhausted")
-            res = conn.execute(_CLAIM_WRITE, {
+            job = conn.execute(_CLAIM_WRITE, {
                 "p_job_id": job_id, "p_attempts": attempts, "p_status": status, "p_next_attempt": attempts + 1,
                 "p_worker": worker, "p_device": device, "p_now": now, "p_queue": queue,
-            })
-            if res.rowcount == 1:
+            }).mappings().first()
+            if job is not None:
                 if status == RUNNING:  # taken over from an attempt whose lease expired: it was lost
                     conn.execute(insert(JobAttempt).values(
                         job_id=job_id, attempt=attempts, worker=last_worker, device=last_device,
                         started_at=last_started, ended_at=now, outcome=LOST, charged=True,
                         cause=f"lease expired: taken over by {worker}"))
-                return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now)
+                return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now, job=dict(job))
         return Claim(None, "lost the race to another attempt")
 
     def heartbeat(self, job_id: str, attempt: int) -> bool:
@@ -512,7 +520,7 @@ class Store:
         """
         now = time.time()
         cutoff = now - lease_s
-        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue, Job.attempts, Job.attempts_forgiven]
+        cols = [getattr(Job, f) for f in MESSAGE_FIELDS] + [Job.attempts, Job.attempts_forgiven]
         with self.reader.connect() as conn:
             rows = conn.execute(
                 select(*cols).where(Job.status == RUNNING, Job.heartbeat_at < cutoff, Job.queue.in_(list(queues)))
@@ -554,9 +562,9 @@ class Store:
             ).all()
         return [(r.id, r.queue) for r in rows]
 
-    def payloads(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
-        """The message payloads (plus queue) of these jobs, to publish them again."""
-        cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
+    def message_rows(self, job_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """What publishing these jobs again needs of them (``MESSAGE_FIELDS``)."""
+        cols = [getattr(Job, f) for f in MESSAGE_FIELDS]
         out: list[dict[str, Any]] = []
         with self.reader.connect() as conn:
             for chunk in _chunks(list(job_ids), 500):
@@ -593,7 +601,7 @@ class Store:
 
     def take_unpublished(self, batch_id: str, queue: str, limit: int) -> list[dict[str, Any]]:
         """Mark the batch's next ``limit`` unpublished queued jobs of ``queue`` (in line order)
-        published, and return their payloads to publish. Empty when none are left."""
+        published, and return them as their messages need them (``MESSAGE_FIELDS``). Empty when none are left."""
         with self.reader.connect() as conn:
             rows = conn.execute(unpublished_select(batch_id, queue, limit)).mappings().all()
         if rows:
@@ -929,6 +937,7 @@ _CLAIM_WRITE = (  # bound names are not column names: SET's own parameters take 
             device=bindparam("p_device"), started_at=_NOW, heartbeat_at=_NOW, error=None, error_type=None,
             queue_wait_s=_NOW - Job.enqueued_at,
             queue=func.coalesce(bindparam("p_queue", type_=Job.__table__.c.queue.type), Job.queue))
+    .returning(*[getattr(Job, f) for f in CLAIM_FIELDS])  # the request rides the claim: no second read
 )
 
 
@@ -949,9 +958,9 @@ UNPUBLISHED = and_(Job.status == literal(QUEUED, literal_execute=True), Job.publ
 
 
 def unpublished_select(batch_id: str, queue: str, limit: int) -> Select:
-    """The batch's next ``limit`` unpublished queued jobs of ``queue``, in line order, with their
-    payloads: an ordered index range on either database (migration 0005)."""
-    cols = [getattr(Job, f) for f in JOB_PAYLOAD_FIELDS] + [Job.queue]
+    """The batch's next ``limit`` unpublished queued jobs of ``queue``, in line order, as their
+    messages need them (``MESSAGE_FIELDS``): an ordered index range on either database (migration 0005)."""
+    cols = [getattr(Job, f) for f in MESSAGE_FIELDS]
     return select(*cols).where(Job.batch_id == batch_id, UNPUBLISHED, Job.queue == queue).order_by(Job.line_no).limit(limit)
 
 
