@@ -99,7 +99,7 @@ def interactive_wave(client, n: int, rate: float, params: dict, priority: str, t
 
 def scenario(name: str, model: str, args, workdir: Path) -> dict:
     from worker.api.client import Client
-    from worker.config import Settings
+    from worker.common.config import Settings
     from worker.run.local import LocalWorker
 
     queue = f"gen.prio-{name}-{uuid.uuid4().hex[:6]}"

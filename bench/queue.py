@@ -114,7 +114,7 @@ class QueuePath:
     def __init__(self, model: str, max_num_seqs: int, broker: str | None, db_url: str, workdir: Path,
                  metrics: bool = True) -> None:
         from worker.api.client import Client
-        from worker.config import Settings
+        from worker.common.config import Settings
         from worker.run.local import LocalWorker
 
         self.model, self.db_url, self.workdir, self.metrics = model, db_url, workdir, metrics

@@ -64,7 +64,7 @@ def run_workers(model: str, devices: list[str], lines: list[dict], broker: str, 
                 max_num_seqs: int) -> dict:
     """Start one worker per device on a fresh queue, run ``lines`` through it, stop them."""
     from worker.api.client import Client
-    from worker.config import Settings
+    from worker.common.config import Settings
     from worker.run.local import LocalWorker
 
     queue = f"gen.scale-{uuid.uuid4().hex[:8]}"

@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--chaos", action="store_true", help="one fault of each kind instead of periodic kills")
     args = ap.parse_args()
-    from worker.run.quiet import quiet_finalization
+    from worker.common.quiet import quiet_finalization
 
     quiet_finalization()  # triton's nanobind leak report at exit says nothing about the run
     if args.chaos:
@@ -65,7 +65,7 @@ def main() -> None:
 
     from tests.helpers.tiny_models import make_tiny_model
     from worker.api.client import Client
-    from worker.config import Settings
+    from worker.common.config import Settings
     from worker.run.local import LocalWorker
     from worker.store.models import QUEUED, RUNNING, SUCCEEDED
 

@@ -65,7 +65,7 @@ def run_chaos(args: Any) -> int:
     from tests.helpers.tiny_models import make_tiny_model
     from tests.faults.conftest import RedisServer, TcpProxy, engine_pid
     from worker.api.client import Client
-    from worker.config import Settings
+    from worker.common.config import Settings
     from worker.run.local import LocalWorker
     from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
     from worker.store.store import Store

@@ -94,7 +94,7 @@ class QueuePath:
     def __init__(self, model: str, max_num_seqs: int, db_url: str, workdir: Path,
                  engine_threads: int | None, concurrency: int | None = None) -> None:
         from worker.api.client import Client
-        from worker.config import Settings
+        from worker.common.config import Settings
         from worker.run.local import LocalWorker
 
         self.queue = f"gen.tiny-{uuid.uuid4().hex[:8]}"

@@ -55,7 +55,7 @@ def browser():
 def _settings_read_afresh():
     """Each test's process settings are read from the environment it sets up (``monkeypatch.setenv``
     before the first ``settings()``), never left over from another test's."""
-    from worker.config import forget_settings
+    from worker.common.config import forget_settings
 
     forget_settings()
     yield

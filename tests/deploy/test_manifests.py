@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worker.config import queue_name
+from worker.common.config import queue_name
 from worker.dispatch.lanes import lane_queues
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def env_names_read_by_code() -> set[str]:
     what the engine and the kernels read themselves."""
     from dataclasses import fields
 
-    from worker.config import Settings
+    from worker.common.config import Settings
 
     names: set[str] = set()
     for f in fields(Settings):

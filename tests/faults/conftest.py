@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.conftest import pg_url, redis_url, sqlite_url, unique_queue  # noqa: F401  (fixtures)
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.run.local import LocalWorker
 
 pytestmark = pytest.mark.integration

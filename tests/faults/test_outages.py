@@ -14,7 +14,7 @@ from sqlalchemy.engine import make_url
 
 from tests.faults.conftest import RedisServer, TcpProxy, Workers, stored_results, wait_until
 from worker.api.client import Client
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.store.models import CANCELLED, QUEUED, RUNNING, SUCCEEDED
 from worker.store.store import Store
 

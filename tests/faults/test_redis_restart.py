@@ -24,7 +24,7 @@ import pytest
 
 from tests.faults.conftest import RedisServer, Workers, stored_results, wait_until
 from worker.api.client import Client
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.store.models import QUEUED, RUNNING, SUCCEEDED
 
 ROOT = Path(__file__).resolve().parents[2]

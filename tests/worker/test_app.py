@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from worker.dispatch.app import make_app
-from worker.config import queue_name, settings
+from worker.common.config import queue_name, settings
 from worker.run.runtime import pin_device, worker_name
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from tests.browser import artifacts_dir
 from tests.worker.test_integration import start_worker, wait_until
 from tests.worker.test_metrics import free_port
-from worker.config import Settings
+from worker.common.config import Settings
 
 pytestmark = pytest.mark.integration
 

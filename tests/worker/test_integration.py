@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.run.local import LocalWorker
 from worker.store.models import SUCCEEDED
 

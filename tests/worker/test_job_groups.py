@@ -118,7 +118,7 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
     the store: their payloads are ignored."""
     from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME
     from worker.api.client import Client
-    from worker.config import Settings
+    from worker.common.config import Settings
     from worker.store.models import CANCELLED, FAILED, SUCCEEDED
 
     from tests.worker.test_integration import start_worker, wait_until

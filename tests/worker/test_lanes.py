@@ -10,8 +10,9 @@ import pytest
 import redis
 
 from worker.api.client import Client
-from worker.config import Settings
-from worker.dispatch.lanes import lane_queue, lane_queues, parse_priority
+from worker.common.config import Settings
+from worker.dispatch.lanes import lane_queue, lane_queues
+from worker.request.priority import parse_priority
 from worker.store.models import QUEUED, RUNNING, SUCCEEDED
 from worker.dispatch.pacer import Pacer
 from worker.run.reaper import Reaper

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.run.local import LocalWorker
 from worker.store.models import FAILED, SUCCEEDED
 

@@ -1,4 +1,4 @@
-"""The loop the pacer, the reaper and the heartbeat share (``worker.run.periodic``): a tick that
+"""The loop the pacer, the reaper and the heartbeat share (``worker.common.periodic``): a tick that
 raises is logged and the loop goes on, the first tick comes at once or after an interval, and
 ``stop`` ends the thread without waiting out an interval."""
 
@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 
-from worker.run.periodic import PeriodicThread
+from worker.common.periodic import PeriodicThread
 
 
 def test_a_tick_that_raises_is_logged_and_the_loop_goes_on(caplog):
@@ -21,7 +21,7 @@ def test_a_tick_that_raises_is_logged_and_the_loop_goes_on(caplog):
             third.set()
         raise ConnectionError("the database is away")
 
-    with caplog.at_level(logging.WARNING, logger="worker.run.periodic"):
+    with caplog.at_level(logging.WARNING, logger="worker.common.periodic"):
         loop = PeriodicThread("test-periodic", 0.01, tick).start()
         try:
             assert third.wait(10), "the loop died on the first error"

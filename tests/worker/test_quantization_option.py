@@ -4,7 +4,7 @@ config as one keyword."""
 from click.testing import CliRunner
 
 from worker.api.cli import cli
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.run.runtime import engine_kwargs
 
 

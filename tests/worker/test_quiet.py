@@ -48,7 +48,7 @@ keep = Late()
 def test_what_the_interpreter_writes_after_the_exit_handlers_is_silenced():
     plain = _python(_LATE_WRITER + "import atexit; atexit.register(lambda: print('bye', flush=True))")
     assert "nanobind: leaked" in plain.stderr and "bye" in plain.stdout
-    ours = _python("from worker.run.quiet import quiet_finalization; quiet_finalization()\n" + _LATE_WRITER
+    ours = _python("from worker.common.quiet import quiet_finalization; quiet_finalization()\n" + _LATE_WRITER
                    + "import atexit, sys; atexit.register(lambda: print('bye', file=sys.stderr, flush=True))")
     assert "nanobind" not in ours.stderr and "bye" in ours.stderr  # other exit handlers still speak
 

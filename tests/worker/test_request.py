@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
-from worker.config import model_slug
+from worker.common.config import model_slug
 from worker.ingest.parse import GOOD, INVALID, numbered_lines, parse_chunk
 from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, parse_line
 from worker.request.convert import (OPENAI_SAMPLING_FIELDS, line_sampling_params, openai_sampling_params, request_from_row,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.worker.test_integration import wait_until
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.run.local import LocalWorker
 from worker.store.models import SUCCEEDED
 

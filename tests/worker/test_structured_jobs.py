@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.request.formats import output_line
 from worker.store.models import FAILED, SUCCEEDED
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ssl
 
 from worker.dispatch.app import broker_ssl
-from worker.config import redact_url
+from worker.common.config import redact_url
 
 
 def test_redact_url_masks_passwords_and_keeps_the_rest():

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from worker.config import Settings, redact_url, use_settings
+from worker.common.config import Settings, redact_url, use_settings
 
 console = Console(stderr=True)
 #: ``status`` piped or written to a file fits this many columns (README's promise).
@@ -49,7 +49,7 @@ def cli(ctx: click.Context, broker_url: str | None, database_url: str | None) ->
 
 def _settings(ctx: click.Context, **flags) -> Settings:
     """This command's settings: the group's flags and the environment, then ``flags`` (None:
-    not given), made the process's settings (``worker.config.settings()``)."""
+    not given), made the process's settings (``worker.common.config.settings()``)."""
     return use_settings(ctx.obj["settings"].but(**flags))
 
 
@@ -107,7 +107,7 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
     with console.status(f"loading the tokenizer of {settings.model}"):
         counter = token_counter(settings.model)
     try:
-        from worker.dispatch.lanes import parse_priority
+        from worker.request.priority import parse_priority
 
         priority = parse_priority(priority)
         reader = IngestThread(client, path, name=name, retry_failed=retry_failed, count_tokens=counter,
@@ -461,7 +461,7 @@ def flower(ctx, port, address, basic_auth, models, queues, flower_args):
     from kombu import Queue
 
     from worker.dispatch.app import app, configure
-    from worker.config import queue_name
+    from worker.common.config import queue_name
 
     settings = _settings(ctx)
     if not settings.broker_url:
@@ -598,7 +598,7 @@ def db_upgrade(ctx, revision):
 
 
 def main() -> None:
-    from worker.run.quiet import quiet_finalization, silence_noise
+    from worker.common.quiet import quiet_finalization, silence_noise
 
     quiet_finalization()  # registered first: runs after every other exit handler
     silence_noise()

@@ -19,8 +19,9 @@ from sqlalchemy.exc import OperationalError
 from engine.sampling_params import SamplingParams
 
 from worker.dispatch.app import make_app
-from worker.config import Settings, queue_name
-from worker.dispatch.lanes import BULK, INTERACTIVE, lane_queue, lane_queues, parse_priority
+from worker.common.config import Settings, queue_name
+from worker.dispatch.lanes import lane_queue, lane_queues
+from worker.request.priority import BULK, INTERACTIVE, parse_priority
 from worker.store.dbretry import with_db_retry
 from worker.dispatch.embedded import ensure_broker_url
 from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, output_line

@@ -21,7 +21,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from worker.config import settings
+from worker.common.config import settings
 from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, W_EXITED, W_FAILED, W_STOPPED, Batch
 from worker.store.store import Store
 from worker.api.summary import percentile

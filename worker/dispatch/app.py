@@ -14,9 +14,9 @@ from celery import Celery
 from kombu import Queue
 
 from . import kombu_redis
-from worker.config import settings
+from worker.common.config import settings
 from worker.dispatch.lanes import lane_queues
-from worker.run.quiet import silence_noise
+from worker.common.quiet import silence_noise
 
 kombu_redis.apply()  # a Redis restart must not stop the worker: see worker.dispatch.kombu_redis
 silence_noise()  # ``celery -A worker.dispatch.app worker|flower`` too, not only ``specbatch``

@@ -18,8 +18,8 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.worker import state
 
-from worker.config import settings
-from worker.dispatch.lanes import INTERACTIVE
+from worker.common.config import settings
+from worker.request.priority import INTERACTIVE
 
 log = logging.getLogger(__name__)
 

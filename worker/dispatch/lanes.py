@@ -10,30 +10,7 @@ not take (see ``LaneGovernor``), and hand the priority to the engine, which sche
 
 from __future__ import annotations
 
-from typing import Any
-
-INTERACTIVE, BULK = "interactive", "bulk"
-LANE_PRIORITY = {INTERACTIVE: 0, BULK: 1}
-MAX_PRIORITY = 1_000_000  # the engine's bound
-
-
-def parse_priority(value: Any, default: str = BULK) -> int:
-    """A job's engine priority from a lane name, an integer (or its string) or None (the default)."""
-    if value is None:
-        value = default
-    if isinstance(value, str):
-        name = value.strip().lower()
-        if name in LANE_PRIORITY:
-            return LANE_PRIORITY[name]
-        try:
-            value = int(name)
-        except ValueError:
-            raise ValueError(f"priority must be 'interactive', 'bulk' or an integer, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"priority must be 'interactive', 'bulk' or an integer, got {value!r}")
-    if abs(value) > MAX_PRIORITY:
-        raise ValueError(f"priority must be within [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {value}")
-    return value
+from worker.request.priority import BULK, INTERACTIVE
 
 
 def lane_of(priority: int) -> str:

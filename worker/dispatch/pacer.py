@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.config import settings
+from worker.common.config import settings
 from worker.dispatch.publish import generation_budget, group_jobs, group_tokens, job_groups, publish_groups
-from worker.run.periodic import PeriodicThread
+from worker.common.periodic import PeriodicThread
 
 #: Every this many ticks the pacer also closes drained batches (a few queries per open batch).
 CLOSE_EVERY_TICKS = 20

@@ -25,7 +25,7 @@ from kombu import Queue
 from engine.sampling_params import DEFAULT_MAX_TOKENS
 
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME
-from worker.config import settings
+from worker.common.config import settings
 from worker.store.store import new_id
 
 log = logging.getLogger(__name__)

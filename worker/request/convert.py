@@ -199,7 +199,7 @@ def request_from_row(job: dict[str, Any]) -> WorkRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("a job needs exactly one of prompt, prompt_token_ids_in or messages")
     params = job.get("params")
-    from worker.dispatch.lanes import parse_priority
+    from worker.request.priority import parse_priority
 
     return WorkRequest(prompt, messages, SamplingParams.from_dict({} if params is None else params),
                        parse_priority(job.get("priority")))

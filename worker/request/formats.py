@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from engine.sampling_params import SamplingParams
 
-from worker.config import model_slug
-from worker.dispatch.lanes import parse_priority
+from worker.common.config import model_slug
+from worker.request.priority import parse_priority
 from worker.request.logprobs import chat_logprobs, completion_logprobs
 from worker.request.openai_fields import RULES, Endpoint, FieldError, sampling_fields
 from worker.request.convert import line_sampling_params

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from worker.run.periodic import PeriodicThread
+from worker.common.periodic import PeriodicThread
 
 
 class Heartbeat(PeriodicThread):

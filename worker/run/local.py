@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from worker.config import Settings
+from worker.common.config import Settings
 from worker.run.exit_codes import PERMANENT_EXITS, exit_cause
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,9 +28,9 @@ from typing import Any
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from worker.config import settings
+from worker.common.config import settings
 from worker.dispatch.publish import publish_jobs, queued_job_ids
-from worker.run.periodic import PeriodicThread
+from worker.common.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from celery import signals
 
-from worker.config import Settings, settings
+from worker.common.config import Settings, settings
 from worker.run.exit_codes import (
     EXIT_ENGINE_BUILD_FAILED,
     EXIT_ENGINE_DIED,

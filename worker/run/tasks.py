@@ -25,7 +25,7 @@ from celery.worker.control import control_command
 
 from . import runtime
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
-from worker.config import model_slug, settings
+from worker.common.config import model_slug, settings
 from worker.store.dbretry import with_db_retry
 from worker.request.logprobs import Pieces, pack
 from worker.store.models import FAILED, SUCCEEDED

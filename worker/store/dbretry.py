@@ -12,7 +12,7 @@ from typing import Callable, TypeVar
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from worker.config import settings
+from worker.common.config import settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from importlib.util import find_spec
 from pathlib import Path
 
-from worker.run.quiet import quiet_alembic
+from worker.common.quiet import quiet_alembic
 
 quiet_alembic()  # before alembic is imported: its plugin setup lines say nothing to a user
 

@@ -26,7 +26,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from . import json_text, migrate
-from worker.config import settings
+from worker.common.config import settings
 from worker.store.group_commit import GroupCommit
 from worker.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, STATUSES, SUCCEEDED, TERMINAL, W_FAILED, W_STARTING,
                      W_STOPPED, Batch, Epoch, Job, JobAttempt, Worker)

@@ -1,7 +1,7 @@
 """Every setting of specbatch's queue side in one object, ``Settings``: flags, then the
 environment (``SPECBATCH_*``, ``REDIS_URL``, ``DATABASE_URL``), then defaults, read once when a
 process makes its settings. Each field names its variable and says what it does, and README's
-settings table is generated from these fields (``python -m worker.config --table``), so the two
+settings table is generated from these fields (``python -m worker.common.config --table``), so the two
 cannot drift. A process's settings are made once (``settings()``) or handed in by the command
 that started it (``use_settings``); child processes get theirs as command-line flags."""
 
@@ -262,5 +262,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--table"]:
-        raise SystemExit("usage: python -m worker.config --table")
+        raise SystemExit("usage: python -m worker.common.config --table")
     sys.stdout.write(settings_table())
