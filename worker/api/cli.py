@@ -589,7 +589,7 @@ def db() -> None:
 @click.pass_context
 def db_upgrade(ctx, revision):
     """Create or migrate the store's tables (Alembic)."""
-    from . import migrate
+    from worker.store import migrate
     from worker.store.store import Store
 
     store = Store(_settings(ctx).database_url, auto_upgrade=False)
