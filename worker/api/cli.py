@@ -572,7 +572,7 @@ def export(ctx, batch, output):
 @click.pass_context
 def cancel(ctx, target):
     """Cancel a job or every unfinished job of a batch (an unknown id is an error)."""
-    client = _client(ctx)
+    client = _client(_settings(ctx))
     if client.store.get_batch(target) is None and client.store.get_job(target) is None:
         raise click.ClickException(f"no batch or job {target!r}")
     ids = client.cancel(target)
