@@ -177,6 +177,27 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**data)
 
+    @classmethod
+    def from_stored(cls, data: dict[str, Any]) -> "SamplingParams":
+        """Params ``to_dict`` gave and a producer checked before storing them: rebuilt without
+        checking each field again (a worker trusts its store), only JSON's forms undone
+        (string ``logit_bias`` keys, ``structured_outputs`` as a dict)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"stored sampling params must be an object, got {type(data).__name__}")
+        unknown = sorted(str(k)[:40] for k in set(data).difference(_field_names(cls)))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) stored: {', '.join(unknown)}")
+        params = object.__new__(cls)
+        own = params.__dict__
+        own.update(_defaults(cls))
+        own["stop"], own["stop_token_ids"] = [], []  # fresh lists: the defaults' are shared
+        own.update(data)
+        if params.logit_bias is not None:
+            own["logit_bias"] = {int(k): float(v) for k, v in params.logit_bias.items()} or None
+        if params.structured_outputs is not None:
+            own["structured_outputs"] = StructuredOutputsParams.from_any(params.structured_outputs)
+        return params
+
     def to_dict(self, *, only_set: bool = False) -> dict[str, Any]:
         """JSON-ready: ``logit_bias`` keys become strings, as JSON stores them anyway, and
         ``structured_outputs`` a dict of its fields. ``only_set``: only the fields that differ

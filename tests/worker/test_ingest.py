@@ -153,10 +153,44 @@ def test_token_counts_in_one_batch_equal_one_by_one(tiny_model_dir):
                                                     {"role": "user", "content": "hi é"}]},
            {"prompt": [1, 2, 3]}, {"prompt": [1, 2, 10**6]}, {"prompt": "x " * 300}]
     reqs = [parse_line(json.dumps(r), n) for n, r in enumerate(raw, start=1)]
-    many = counter.count_many(reqs)
+    many = counter.tokenize_many(reqs)
     one = [counter._one(r) for r in reqs]
     assert [repr(x) for x in many] == [repr(x) for x in one]
-    assert isinstance(many[3], ValueError) and many[4] > 300
+    assert [repr(x) for x in counter.count_many(reqs)] == [repr(x if isinstance(x, Exception) else len(x)) for x in many]
+    assert isinstance(many[3], ValueError) and len(many[4]) > 300
+
+
+def test_a_prompt_the_producer_tokenized_reaches_the_engine_as_its_ids_and_is_not_tokenized_again(
+        producer, smollm2_dir, smol_llm, tmp_path):
+    """A prompt whose length had to be counted (too many bytes to be proven to fit) is stored
+    with the producer's token ids; the claim hands the engine those ids, equal to what the engine
+    would make of the text or conversation itself. A prompt proven to fit travels as its text
+    and is tokenized once, by the engine."""
+    from worker.request.convert import request_from_row
+    from worker.request.validate import TokenCounter
+
+    long_text = "The quick brown fox jumps over the lazy dog. " * 8  # 360 bytes, under 128 tokens
+    chat = [{"role": "system", "content": "Answer in one word. " * 6}, {"role": "user", "content": long_text}]
+    lines = [{"custom_id": "short", "prompt": "hi"}, {"custom_id": "text", "prompt": long_text},
+             {"custom_id": "chat", "messages": chat}, {"custom_id": "ids", "prompt": [5, 6, 7]}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    result = _ingest(producer, chunk=10, parse_in_child=False, count_tokens=TokenCounter(smollm2_dir),
+                     max_model_len=128).run(src, name="tokens", input_file=None)
+    assert (result.num_good, result.num_bad) == (4, 0)
+    engine = smol_llm.engine
+    expected = {"short": None, "text": engine.make_request(long_text).prompt_token_ids,
+                "chat": engine.make_request(messages=chat).prompt_token_ids, "ids": None}
+    for job in producer.store.jobs(result.batch_id):
+        claim = producer.store.claim(job.id, worker="w", device="cpu", lease_s=60, max_attempts=3)
+        assert claim.job["prompt_tokens"] == expected[job.custom_id], job.custom_id
+        request = request_from_row(claim.job)
+        if expected[job.custom_id] is not None:
+            assert request.prompt == expected[job.custom_id] and request.messages is None
+            made = engine.make_request(request.prompt, params=request.params)
+            assert made.prompt_token_ids == expected[job.custom_id]
+        else:
+            assert request.prompt == {"short": "hi", "ids": [5, 6, 7]}[job.custom_id]
 
 
 def test_a_logit_bias_that_leaves_no_token_is_refused_at_validation(producer, tiny_model_dir, tmp_path):

@@ -241,19 +241,19 @@ def test_fuzz_jsonl_reader(text, model):
 
 
 # ---- the claimed row ----------------------------------------------------------------
+# A worker trusts its store: the params a row holds are the ones the producer validated
+# (``SamplingParams.from_stored`` does not check them again). The prompt's shape, context and
+# vocabulary stay the engine's own checks, as for any caller of ``make_request``.
+stored_params = st.builds(lambda p: with_seed(p).to_dict(only_set=True), st.builds(
+    lambda d: openai_sampling_params(d), st.fixed_dictionaries({}, optional={
+        "max_tokens": st.integers(1, 5000), "temperature": st.floats(0, 2), "top_k": st.integers(-1, 50),
+        "stop": st.lists(nasty_text.filter(bool), max_size=2), "seed": st.integers(0, 2**63 - 1),
+        "logit_bias": st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=3)})))
 rows = st.fixed_dictionaries(
     {}, optional={"id": values, "model": values, "endpoint": values,
                   "prompt": nasty_text | st.lists(st.integers(-5, 400), max_size=5) | values,
                   "prompt_token_ids_in": st.lists(st.integers(-5, 400) | values, max_size=5) | values,
-                  "messages": messages | values,
-                  "params": param_dicts | st.builds(lambda p: with_seed(p).to_dict(), st.just(SamplingParams())) | values},
-)
-near_sampling = near_params.map(lambda d: {k: v for k, v in d.items() if k not in ("max_completion_tokens", "user")})
-near_rows = st.one_of(
-    st.builds(lambda pr, p: {"prompt": pr, "params": p}, near_prompt, near_sampling),
-    st.builds(lambda pr, p: {"prompt_token_ids_in": pr, "params": p}, st.lists(st.integers(-1, 300), max_size=70),
-              near_sampling),
-    st.builds(lambda m, p: {"messages": m, "params": p}, near_messages, near_sampling),
+                  "messages": messages | values, "params": stored_params},
 )
 
 
@@ -265,20 +265,59 @@ def tiny_engine(tiny_model_dir):
     return LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", max_model_len=64))
 
 
+def _claimed(row: dict) -> dict:
+    """A row as the claim returns it: the ``CLAIM_FIELDS`` of a row stored as JSON columns."""
+    from worker.store.store import CLAIM_FIELDS
+
+    return json.loads(json.dumps({k: row.get(k) for k in CLAIM_FIELDS}))
+
+
+def _engine_request(tiny_engine, claimed: dict):
+    """The two calls a worker's task makes: ``request_from_row``, then the engine's ``make_request``."""
+    req = request_from_row(claimed)
+    return tiny_engine.make_request(req.prompt, messages=req.messages, params=req.params, request_id="j#1")
+
+
 @FUZZ
-@given(row=near_rows | rows)
-def test_fuzz_claimed_row_to_engine_request(tiny_engine, row):
-    """What a worker's claim returns -> the engine request, through the same two calls as the
-    task (``request_from_row`` then the engine's ``make_request``), without running a model."""
+@given(line=near_openai | near_completion | near_chat)
+def test_fuzz_every_line_the_producer_stores_is_an_engine_request_or_its_clear_error(tiny_engine, line):
+    """Any line the producer accepted and stored becomes an engine request, or fails with the
+    engine's own clear error (a prompt over this engine's context, a token past its vocabulary)."""
+    entries = parse_chunk([(1, json.dumps(line))], model="tiny", priority=1)
+    if entries[0][2] != GOOD:
+        return
     try:
-        req = request_from_row(row)
-        request = tiny_engine.make_request(req.prompt, messages=req.messages, params=req.params, request_id="j#1")
+        request = _engine_request(tiny_engine, _claimed(entries[0][3]))
     except ValueError as exc:
         assert str(exc) and len(str(exc)) < 1000
         return
     assert 0 < len(request.prompt_token_ids) < 64
     # A limit past the context is clamped, never an error: the sample ends with "length".
     assert request.params.max_tokens <= 64 - len(request.prompt_token_ids)
+
+
+@FUZZ
+@given(row=rows)
+def test_fuzz_claimed_row_to_engine_request(tiny_engine, row):
+    """Whatever prompt a row holds (another version's producer, a hand-written row), the engine
+    takes it or refuses it with a clear error, never another exception."""
+    try:
+        request = _engine_request(tiny_engine, row)
+    except ValueError as exc:
+        assert str(exc) and len(str(exc)) < 1000
+        return
+    assert 0 < len(request.prompt_token_ids) < 64
+    assert request.params.max_tokens <= 64 - len(request.prompt_token_ids)
+
+
+def test_stored_params_are_not_checked_again_but_must_be_an_object_of_known_fields():
+    """The store's params are trusted (no second validation); a row whose params are not an
+    object of ``SamplingParams``' fields is still refused with a clear error."""
+    stored = with_seed(openai_sampling_params({"temperature": 0.5, "stop": "x", "logit_bias": {"7": 3}}))
+    assert SamplingParams.from_stored(json.loads(json.dumps(stored.to_dict(only_set=True)))) == stored
+    for bad, message in ((False, "must be an object"), ({"frobnicate": 1}, "unknown sampling parameter")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams.from_stored(bad)
 
 
 def test_row_stored_by_the_producer_round_trips():

@@ -131,7 +131,7 @@ def test_the_claim_returns_the_request_it_claims(db_url):
         job_row(model="m", prompt_token_ids_in=[1, 2, 3], id="ids", queue="q"),
     ])
     chat = store.claim("chat", worker="w", device="cpu", lease_s=60, max_attempts=3, queue="q.interactive")
-    assert chat.job == {"model": "m", "prompt": None, "prompt_token_ids_in": None, "messages": messages,
+    assert chat.job == {"model": "m", "prompt": None, "prompt_token_ids_in": None, "prompt_tokens": None, "messages": messages,
                         "params": {"temperature": 0, "logit_bias": {"7": 1.5}}, "priority": 0, "custom_id": "c",
                         "queue": "q.interactive"}
     ids = store.claim_many(["ids"], worker="w", device="cpu", lease_s=0, max_attempts=3)[0]

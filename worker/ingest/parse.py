@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from worker.request.formats import BadLine, Request, length_error, parse_line
 from worker.request.convert import fresh_seeds
+from worker.request.validate import Measure, token_count
 from worker.store.store import job_row, new_ids
 
 CountTokens = Callable[[Request], int]
@@ -60,8 +61,8 @@ def parse_chunk(lines: Sequence[tuple[int, Any]], *, model: str, priority: int,
     """One entry per line, in order. Rows leave ``queue`` unset (the ingesting process names it)."""
     items = [parse_line(raw, n, model=model) for n, raw in lines]
     good = [x for x in items if isinstance(x, Request)]
-    lengths = (prompt_lengths(count_tokens, good, max_model_len)
-               if count_tokens is not None and max_model_len is not None and good else None)
+    measures = (prompt_measures(count_tokens, good, max_model_len)
+                if count_tokens is not None and max_model_len is not None and good else None)
     ids, seeds = new_ids(len(good)), fresh_seeds(len(good))
     out: list[Entry] = []
     g = 0
@@ -69,14 +70,16 @@ def parse_chunk(lines: Sequence[tuple[int, Any]], *, model: str, priority: int,
         if isinstance(x, BadLine):
             out.append((x.line_no, x.custom_id, INVALID, x.error))
             continue
-        error = None if lengths is None else length_error(lengths[g], max_model_len)  # type: ignore[arg-type]
+        measure = None if measures is None else measures[g]
+        error = None if measure is None else length_error(token_count(measure), max_model_len)
         problem = vocabulary_error(x, getattr(count_tokens, "vocab_size", None))
         if error is not None:
             out.append((x.line_no, x.custom_id, TOO_LONG, error))
         elif problem is not None:
             out.append((x.line_no, x.custom_id, INVALID, problem))
         else:
-            out.append((x.line_no, x.custom_id, GOOD, _row(x, ids[g], seeds[g], model, priority)))
+            tokens = measure if isinstance(measure, list) and x.prompt_token_ids is None else None
+            out.append((x.line_no, x.custom_id, GOOD, _row(x, ids[g], seeds[g], model, priority, tokens)))
         g += 1
     return out
 
@@ -93,20 +96,22 @@ def vocabulary_error(req: Request, vocab_size: int | None) -> str | None:
     return None
 
 
-def _row(r: Request, job_id: str, seed: int, model: str, priority: int) -> dict[str, Any]:
+def _row(r: Request, job_id: str, seed: int, model: str, priority: int,
+         tokens: list[int] | None) -> dict[str, Any]:
     if r.params.seed is None:  # as ``with_seed``, in place: these params are this line's own
         r.params.seed = seed
     return job_row(model=model, id=job_id, custom_id=r.custom_id, line_no=r.line_no, endpoint=r.endpoint,
-                   prompt=r.prompt, prompt_token_ids_in=r.prompt_token_ids, messages=r.messages,
+                   prompt=r.prompt, prompt_token_ids_in=r.prompt_token_ids, messages=r.messages, prompt_tokens=tokens,
                    params=r.params.to_dict(only_set=True), priority=priority if r.priority is None else r.priority,
                    user=r.user)
 
 
-def prompt_lengths(count_tokens: CountTokens, reqs: Sequence[Request], limit: int) -> list[int | Exception]:
-    """Token counts good enough to check prompts against a context of ``limit``: exact, or for a
-    prompt proven to fit, a bound under ``limit`` (the counter's ``lengths`` where it has one)."""
-    lengths = getattr(count_tokens, "lengths", None)
-    return lengths(reqs, limit) if lengths is not None else count_many(count_tokens, reqs)
+def prompt_measures(count_tokens: CountTokens, reqs: Sequence[Request], limit: int) -> list[Measure]:
+    """What checking prompts against a context of ``limit`` needs: each prompt's token ids where
+    the counter tokenized it (``TokenCounter.measure``: they travel with the job), a bound under
+    ``limit`` for one proven to fit, or a plain count from a counter that only counts."""
+    measure = getattr(count_tokens, "measure", None)
+    return measure(reqs, limit) if measure is not None else count_many(count_tokens, reqs)
 
 
 def count_many(count_tokens: CountTokens, reqs: Sequence[Request]) -> list[int | Exception]:

@@ -188,20 +188,24 @@ class WorkRequest:
 def request_from_row(job: dict[str, Any]) -> WorkRequest:
     """The engine request a claimed job's row describes (``Claim.job``: ``CLAIM_FIELDS``).
 
-    Prompt shape, tokenisation and length are the engine's ``make_request`` checks; this only
-    finds the parts and rebuilds the sampling params the producer checked and stored (their own
-    checks run again as they are built: the row may come from another version's producer).
+    The store holds what the producer validated: the params are rebuilt without checking them
+    again (``SamplingParams.from_stored``), and a prompt the producer tokenized goes to the engine
+    as its token ids (``prompt_tokens``), so it is not tokenized (or its chat template rendered)
+    a second time. Shape, context and vocabulary stay the engine's ``make_request`` checks.
     """
-    prompt = job.get("prompt")
+    prompt = job.get("prompt_tokens")
+    messages = None
     if prompt is None:
-        prompt = job.get("prompt_token_ids_in")
-    messages = job.get("messages")
-    if (prompt is None) == (messages is None):
-        raise ValueError("a job needs exactly one of prompt, prompt_token_ids_in or messages")
+        prompt = job.get("prompt")
+        if prompt is None:
+            prompt = job.get("prompt_token_ids_in")
+        messages = job.get("messages")
+        if (prompt is None) == (messages is None):
+            raise ValueError("a job needs exactly one of prompt, prompt_token_ids_in or messages")
     params = job.get("params")
     from worker.request.priority import parse_priority
 
-    return WorkRequest(prompt, messages, SamplingParams.from_dict({} if params is None else params),
+    return WorkRequest(prompt, messages, SamplingParams.from_stored({} if params is None else params),
                        parse_priority(job.get("priority")))
 
 

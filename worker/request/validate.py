@@ -2,7 +2,7 @@
 (no weights loaded) so prompts over the context fail at validation, naming the line, rather
 than as a wasted job. The worker's engine applies the same rule again at submission.
 
-``count_many`` counts a chunk at once: chat templates rendered by substitution where exact
+``tokenize_many`` tokenizes a chunk at once: chat templates rendered by substitution where exact
 (``worker.request.chat_render``), then one batched
 ``encode_batch_fast`` (no offsets computed) of the tokenizers library (Rust, on every core)
 instead of a Python call per line; counts equal ``__call__``'s
@@ -49,9 +49,16 @@ class TokenCounter:
         """Each request's prompt tokens, except that a prompt proven to have fewer than ``limit``
         (``worker.request.token_bound``) may be given as a bound under ``limit`` instead of counted:
         what checking prompts against a context of ``limit`` needs, at a fraction of the cost."""
+        return [token_count(m) for m in self.measure(reqs, limit)]
+
+    def measure(self, reqs: Sequence[Request], limit: int) -> list[Measure]:
+        """``lengths``, keeping the ids of every prompt it had to tokenize: a bound (an int under
+        ``limit``) for a prompt proven to fit, else its token ids, else the error counting it.
+        The ids are the engine's own (``LLMEngine.make_request``): the job carries them, so the
+        prompt is never tokenized twice."""
         if not self.byte_bounded:
-            return self.count_many(reqs)
-        out: list[int | Exception | None] = [None] * len(reqs)
+            return self.tokenize_many(reqs)
+        out: list[Measure | None] = [None] * len(reqs)
         chats = [i for i, r in enumerate(reqs) if r.messages is not None]
         if chats:
             with self._lock:
@@ -67,17 +74,21 @@ class TokenCounter:
             if r.messages is None and r.prompt_token_ids is None and surely_fits(r.prompt or "", limit, self._specials):
                 out[i] = limit - 1
         rest = [i for i, n in enumerate(out) if n is None]
-        for i, n in zip(rest, self.count_many([reqs[i] for i in rest]) if rest else []):
+        for i, n in zip(rest, self.tokenize_many([reqs[i] for i in rest]) if rest else []):
             out[i] = n
         return out  # type: ignore[return-value]
 
     def count_many(self, reqs: Sequence[Request]) -> list[int | Exception]:
         """Each request's prompt tokens, or the error counting it (one bad line fails alone)."""
+        return [token_count(m) for m in self.tokenize_many(reqs)]
+
+    def tokenize_many(self, reqs: Sequence[Request]) -> list[list[int] | Exception]:
+        """Each request's prompt token ids, or the error tokenizing it (one bad line fails alone)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:  # a slow tokenizer: one at a time
             return [self._one(r) for r in reqs]
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers < 0.21: no fast form
-        out: list[int | Exception | None] = [None] * len(reqs)
+        out: list[list[int] | Exception | None] = [None] * len(reqs)
         chats = [i for i, r in enumerate(reqs) if r.messages is not None]
         texts = [i for i, r in enumerate(reqs) if r.messages is None and r.prompt_token_ids is None]
         for i, r in enumerate(reqs):
@@ -91,32 +102,46 @@ class TokenCounter:
                     rendered = None
                 if rendered is not None:
                     for i, enc in zip(chats, encode(rendered, add_special_tokens=False)):
-                        out[i] = len(enc.ids)
+                        out[i] = enc.ids
             if texts:
                 for i, enc in zip(texts, encode([reqs[i].prompt or "" for i in texts],
                                                               add_special_tokens=True)):
-                    out[i] = len(enc.ids)
+                    out[i] = enc.ids
         return [self._one(reqs[i]) if n is None else n for i, n in enumerate(out)]
 
-    def _one(self, req: Request) -> int | Exception:
+    def _one(self, req: Request) -> list[int] | Exception:
         try:
-            return self(req)
+            return self.tokenize(req)
         except Exception as exc:
             return exc
 
     def __call__(self, req: Request) -> int:
+        return len(self.tokenize(req))
+
+    def tokenize(self, req: Request) -> list[int]:
+        """One request's prompt token ids, as the engine makes them (``LLMEngine.make_request``)."""
         with self._lock:
             if req.messages is not None:
                 ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                     ids = ids["input_ids"]
-                return len(ids)
+                return list(ids)
             if req.prompt_token_ids is not None:
                 bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
                 if bad:
                     raise ValueError(f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-                return len(req.prompt_token_ids)
-            return len(self.tokenizer.encode(req.prompt or ""))
+                return list(req.prompt_token_ids)
+            return self.tokenizer.encode(req.prompt or "")
+
+
+#: What ``TokenCounter.measure`` gives per request: a bound under the limit (proven to fit), the
+#: prompt's token ids, or the error tokenizing it.
+Measure = int | list[int] | Exception
+
+
+def token_count(measure: Measure) -> int | Exception:
+    """A measure as a token count (a bound stays a bound; an error stays the error)."""
+    return len(measure) if isinstance(measure, list) else measure
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from worker.store.sqltypes import NulSafeString, NulSafeText  # user text may hold NUL (see sqltypes)
+from worker.store.sqltypes import NulSafeString, NulSafeText, TokenIds  # user text may hold NUL (see sqltypes)
 
 # Job statuses. Terminal ones are never left again except by an explicit retry.
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
@@ -76,6 +76,9 @@ class Job(Base):
     endpoint: Mapped[str] = mapped_column(String(32), default="completions")  # "chat" | "completions"
     prompt: Mapped[str | None] = mapped_column(NulSafeText)
     prompt_token_ids_in: Mapped[list[Any] | None]  # a prompt given as token ids
+    # The prompt as the producer tokenized it, where it did (to check its length): the engine
+    # takes these ids instead of tokenizing the text or conversation again (migration 0007).
+    prompt_tokens: Mapped[list[int] | None] = mapped_column(TokenIds)
     messages: Mapped[list[Any] | None]
     params: Mapped[dict[str, Any] | None]
     status: Mapped[str] = mapped_column(String(16), default=QUEUED)  # indexed by (status, heartbeat_at)

@@ -140,7 +140,7 @@ MESSAGE_FIELDS = ("id", "queue", "model", "priority", "params", "batch_id", "cus
 
 #: What a won claim returns of its job (``UPDATE … RETURNING``): the worker's request, from
 #: the store, never from a message.
-CLAIM_FIELDS = ("model", "prompt", "prompt_token_ids_in", "messages", "params", "priority", "custom_id", "queue")
+CLAIM_FIELDS = ("model", "prompt", "prompt_token_ids_in", "prompt_tokens", "messages", "params", "priority", "custom_id", "queue")
 
 
 class Store:
@@ -970,6 +970,7 @@ def job_row(
     id: str | None = None,
     prompt: str | None = None,
     prompt_token_ids_in: list[int] | None = None,
+    prompt_tokens: list[int] | None = None,
     messages: list[dict[str, Any]] | None = None,
     params: dict[str, Any] | None = None,
     endpoint: str | None = None,
@@ -995,6 +996,7 @@ def job_row(
         "endpoint": endpoint or ("chat" if messages is not None else "completions"),
         "prompt": prompt,
         "prompt_token_ids_in": prompt_token_ids_in,
+        "prompt_tokens": prompt_tokens,
         "messages": messages,
         "params": params or {},
         "status": status,
