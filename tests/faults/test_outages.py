@@ -166,7 +166,7 @@ def test_the_reaper_gives_live_workers_a_lease_after_a_database_outage(pg_url, r
     comes back. The reaper waits one lease before reaping, so a live worker's job is refreshed
     (not re-run, not charged an attempt); a dead worker's job is still reaped after that lease."""
     from worker.run.reaper import Reaper
-    from worker.store.store import job_row
+    from worker.store.rows import job_row
 
     url = make_url(pg_url)
     proxy = TcpProxy(url.port or 5432)

@@ -11,7 +11,8 @@ import json
 from typing import Any, Iterable
 
 from worker.ingest.stream import Ingest, IngestResult
-from worker.store.store import INSERT_CHUNK, Store
+from worker.store.rows import INSERT_CHUNK
+from worker.store.store import Store
 
 
 def ingest_lines(store: Store, lines: Iterable[dict[str, Any] | str], *, name: str | None = None,

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from worker.api.cli import cli
 from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
-from worker.store.store import Store, job_row
+from worker.store.rows import job_row
+from worker.store.store import Store
 
 
 def _claim(store: Store, job_id: str, worker: str, lease_s: float = 60.0):

@@ -19,7 +19,8 @@ from worker.api.cli import cli
 from worker.request.formats import parse_line
 from worker.store.models import SUCCEEDED
 from worker.api.status_view import render, take_snapshot
-from worker.store.store import Store, job_row
+from worker.store.rows import job_row
+from worker.store.store import Store
 
 from tests.helpers.batches import ingest_lines, job_ids
 

@@ -9,7 +9,8 @@ import pytest
 from sqlalchemy import text
 
 from worker.store.models import RUNNING, SUCCEEDED
-from worker.store.store import Store, job_row
+from worker.store.rows import job_row
+from worker.store.store import Store
 
 
 def test_concurrent_claims_and_results_share_transactions_and_each_gets_its_answer(db_url):

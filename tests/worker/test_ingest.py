@@ -17,7 +17,8 @@ from worker.ingest.stream import Ingest, SeenIds
 from worker.dispatch.lanes import lane_queues
 from worker.store.models import FAILED, QUEUED, SUCCEEDED
 from worker.dispatch.pacer import Pacer
-from worker.store.store import INVALID_INPUT, Store
+from worker.store.rows import INVALID_INPUT
+from worker.store.store import Store
 
 from tests.worker.test_lanes import producer  # noqa: F401  (fixture: a client with a 20-message pacing window)
 
@@ -216,7 +217,7 @@ def test_a_logit_bias_that_leaves_no_token_is_refused_at_validation(producer, ti
 def test_a_chunk_written_twice_keeps_one_row_each(db_url):
     """PostgreSQL writes a new batch's rows with COPY; rows that exist already make it fall back
     to the upsert, which skips them (SQLite upserts always)."""
-    from worker.store.store import job_row
+    from worker.store.rows import job_row
 
     store = Store(db_url, auto_upgrade=True)
     batch_id, _ = store.open_batch(name="twice", input_file=None, model="m")

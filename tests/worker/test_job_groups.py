@@ -123,7 +123,8 @@ def test_a_group_whose_entries_go_wrong_fails_only_those(db_url, redis_url, uniq
 
     from tests.worker.test_integration import start_worker, wait_until
 
-    from worker.store.store import Store, job_row
+    from worker.store.rows import job_row
+    from worker.store.store import Store
 
     store = Store(db_url, auto_upgrade=True)  # PostgreSQL is migrated explicitly, as in a deploy step
     client = Client(broker_url=redis_url, database_url=db_url, model=tiny_model, queue=unique_queue, store=store)

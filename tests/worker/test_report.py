@@ -27,7 +27,8 @@ from worker.api.cli import cli
 from worker.store.models import FAILED, SUCCEEDED
 from worker.api.report import render_html, write_report
 from worker.api.status_view import render, take_snapshot
-from worker.store.store import INVALID_INPUT, Store
+from worker.store.rows import INVALID_INPUT
+from worker.store.store import Store
 from worker.api.summary import percentile
 
 from tests.helpers.batches import ingest_lines

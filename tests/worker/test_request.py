@@ -267,7 +267,7 @@ def tiny_engine(tiny_model_dir):
 
 def _claimed(row: dict) -> dict:
     """A row as the claim returns it: the ``CLAIM_FIELDS`` of a row stored as JSON columns."""
-    from worker.store.store import CLAIM_FIELDS
+    from worker.store.rows import CLAIM_FIELDS
 
     return json.loads(json.dumps({k: row.get(k) for k in CLAIM_FIELDS}))
 

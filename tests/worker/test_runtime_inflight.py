@@ -60,7 +60,8 @@ def test_a_worker_that_must_restart_gives_its_jobs_back_forgiven(loop, sqlite_ur
     go back to the queue at once, their attempts forgiven, instead of waiting for their leases
     to expire and being charged an attempt each."""
     from worker.store.models import QUEUED
-    from worker.store.store import Store, job_row
+    from worker.store.rows import job_row
+    from worker.store.store import Store
 
     store = Store(sqlite_url, auto_upgrade=True)
     store.upsert_jobs([job_row(model="tiny", prompt="p", id="r")])

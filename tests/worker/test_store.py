@@ -10,7 +10,9 @@ from sqlalchemy import func, inspect, select
 
 from worker.store import migrate
 from worker.store.models import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, Job
-from worker.store.store import INVALID_INPUT, Store, job_row, unpublished_select
+from worker.store.pacing import unpublished_select
+from worker.store.rows import INVALID_INPUT, job_row
+from worker.store.store import Store
 
 from tests.helpers.batches import ingest_lines, job_ids
 
@@ -157,7 +159,7 @@ def test_a_message_for_a_missing_row_is_dropped_and_nothing_is_inserted(db_url, 
     an older backup) makes no job; it is dropped, with a warning."""
     store = _store(db_url)
     store.upsert_jobs([job_row(model="m", prompt="hi", id="here")])
-    with caplog.at_level(logging.WARNING, logger="worker.store.store"):
+    with caplog.at_level(logging.WARNING, logger="worker.store.leases"):
         lost = store.claim("lost", worker="w", device="cpu", lease_s=60, max_attempts=3, queue="q")
         both = store.claim_many(["lost", "here"], worker="w", device="cpu", lease_s=60, max_attempts=3)
     assert (lost.ok, lost.reason, lost.job) == (False, "unknown job", None)

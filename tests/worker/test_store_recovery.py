@@ -11,7 +11,8 @@ import time
 from sqlalchemy import event
 
 from worker.store.models import FAILED, QUEUED, RUNNING
-from worker.store.store import Store, job_row
+from worker.store.rows import job_row
+from worker.store.store import Store
 
 from tests.helpers.batches import ingest_lines, job_ids
 

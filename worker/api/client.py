@@ -31,7 +31,8 @@ from worker.dispatch.pacer import Pacer
 from worker.dispatch.publish import publish_jobs
 from worker.request.convert import openai_sampling_params, with_seed
 from worker.store.sqltypes import stored_length
-from worker.store.store import Store, job_row
+from worker.store.rows import job_row
+from worker.store.store import Store
 
 CountTokens = Callable[[Request], int]
 

@@ -26,7 +26,7 @@ from engine.sampling_params import DEFAULT_MAX_TOKENS
 
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME
 from worker.common.config import settings
-from worker.store.store import new_id
+from worker.store.rows import new_id
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from worker.request.formats import BadLine, Request, length_error, parse_line
 from worker.request.convert import fresh_seeds
 from worker.request.validate import Measure, token_count
-from worker.store.store import job_row, new_ids
+from worker.store.rows import job_row, new_ids
 
 CountTokens = Callable[[Request], int]
 

@@ -31,7 +31,8 @@ import numpy as np
 from worker.request.formats import BadLine
 from worker.ingest.parse import GOOD, INVALID, CountTokens, Entry, chunked, numbered_lines, parse_chunk
 from worker.ingest.parse_process import ParseProcess
-from worker.store.store import INSERT_CHUNK, Store, job_row
+from worker.store.rows import INSERT_CHUNK, job_row
+from worker.store.store import Store
 from worker.request.validate import TokenCounter
 
 #: The first chunk is small, so the first jobs are published within moments of the command.

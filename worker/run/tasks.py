@@ -31,7 +31,7 @@ from worker.request.logprobs import Pieces, pack
 from worker.store.models import FAILED, SUCCEEDED
 from worker.dispatch.publish import message_job_ids, publish_groups, publish_jobs
 from worker.request.convert import request_from_row
-from worker.store.store import Claim
+from worker.store.leases import Claim
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,11 @@ from typing import Any
 from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from worker.store.sqltypes import NulSafeString, NulSafeText, TokenIds  # user text may hold NUL (see sqltypes)
+from worker.store.sqltypes import (  # user text may hold NUL (see sqltypes)
+    NulSafeString,
+    NulSafeText,
+    TokenIds,
+)
 
 # Job statuses. Terminal ones are never left again except by an explicit retry.
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"

@@ -1,0 +1,226 @@
+"""Attempts and their leases: a claim is a compare-and-swap that returns the request, every
+later write (heartbeat, result, give back) names its attempt, so a stale copy never wins."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+from sqlalchemy import Boolean, Connection, Integer, String, Text, bindparam, func, insert, literal, select, update
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from worker.store.connection import StoreBase
+from worker.store.models import FAILED, GIVEN_BACK, LOST, QUEUED, RUNNING, TERMINAL, Epoch, Job, JobAttempt
+from worker.store.rows import CLAIM_FIELDS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Claim:
+    """What ``Store.claim`` decided: run it as ``attempt`` (``job``: the request columns the
+    claim's write returned, ``CLAIM_FIELDS``), or skip it and why."""
+
+    attempt: int | None
+    reason: str = ""
+    enqueued_at: float | None = None  # of a won claim: its queue wait ends now
+    started_at: float | None = None
+    job: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.attempt is not None
+
+
+# A worker's per-job statements, built once: building a Core statement and its cache key cost
+# more of a one-token job's worker CPU than executing it (py-spy: about half of the group
+# commit's time went to ``update(...).values(...)`` and ``_generate_cache_key``).
+_CLAIM_READ = (select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_forgiven, Job.enqueued_at,
+                      Job.worker, Job.device, Job.started_at)
+               .where(Job.id == bindparam("p_job_id")))
+
+
+def attempt_ended(job_id: str, attempt: int, outcome: str, cause: str | None, *, charged: bool, now: float):
+    """Insert the ``JobAttempt`` of an attempt that ends without ending its job, its worker,
+    device and start read from the job row (run it in the transaction that moves the job on,
+    before a new claim overwrites them)."""
+    return insert(JobAttempt).from_select(
+        ["job_id", "attempt", "worker", "device", "started_at", "ended_at", "outcome", "cause", "charged"],
+        select(Job.id, literal(attempt, Integer), Job.worker, Job.device, Job.started_at, literal(now, Epoch),
+               literal(outcome, String), literal((cause or "")[:2000] or None, Text),
+               literal(charged, Boolean)).where(Job.id == job_id))
+
+
+_NOW = bindparam("p_now", type_=Job.__table__.c.started_at.type)
+
+
+_CLAIM_WRITE = (  # bound names are not column names: SET's own parameters take those
+    update(Job)
+    .where(Job.id == bindparam("p_job_id"), Job.attempts == bindparam("p_attempts"),
+           Job.status == bindparam("p_status"))
+    .values(status=RUNNING, attempts=bindparam("p_next_attempt"), worker=bindparam("p_worker"),
+            device=bindparam("p_device"), started_at=_NOW, heartbeat_at=_NOW, error=None, error_type=None,
+            queue_wait_s=_NOW - Job.enqueued_at,
+            queue=func.coalesce(bindparam("p_queue", type_=Job.__table__.c.queue.type), Job.queue))
+    .returning(*[getattr(Job, f) for f in CLAIM_FIELDS])  # the request rides the claim: no second read
+)
+
+
+@lru_cache(maxsize=64)
+def _finish_statement(columns: tuple[str, ...]):
+    """The fenced result UPDATE for one set of result columns (bound as ``v_<column>``)."""
+    table = Job.__table__
+    return (update(Job)
+            .where(Job.id == bindparam("p_job_id"), Job.attempts == bindparam("p_attempt"), Job.status == RUNNING)
+            .values({c: bindparam(f"v_{c}", type_=table.c[c].type) for c in columns}))
+
+
+
+class Leases(StoreBase):
+    """A worker's writes of its attempts: claim, heartbeat, result, give back."""
+
+    def claim(self, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
+              queue: str | None = None) -> Claim:
+        """Start a new attempt of ``job_id`` and return its request with it, or say why not
+        (done, live elsewhere, no such job, …).
+
+        Compare-and-swap on (status, attempts): of two copies racing, exactly one wins.
+        ``queue``: the queue the job's message came from, recorded for its next message.
+        """
+        return self._write_op(lambda conn: self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
+                                                       max_attempts=max_attempts, queue=queue))
+
+    def claim_many(self, job_ids: Sequence[str], *, worker: str, device: str, lease_s: float, max_attempts: int,
+                   queue: str | None = None) -> list[Claim | Exception]:
+        """``claim`` of each job id in one write (a group message's jobs). A claim that raises
+        is retried alone and its error returned in its place, so it fails only its own job; an
+        unreachable database raises, as ``claim``."""
+        def claim_all(conn: Connection) -> list[Claim]:
+            return [self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
+                                max_attempts=max_attempts, queue=queue)
+                    for job_id in job_ids]
+
+        try:
+            return list(self._write_op(claim_all))
+        except (OperationalError, InterfaceError):
+            raise
+        except Exception:
+            if len(job_ids) == 1:
+                raise
+        out: list[Claim | Exception] = []
+        for job_id in job_ids:
+            try:
+                out.append(self.claim(job_id, worker=worker, device=device, lease_s=lease_s,
+                                      max_attempts=max_attempts, queue=queue))
+            except (OperationalError, InterfaceError):
+                raise
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def _claim(self, conn: Connection, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
+               queue: str | None) -> Claim:
+        for _ in range(5):
+            now = time.time()
+            row = conn.execute(_CLAIM_READ, {"p_job_id": job_id}).first()
+            if row is None:
+                # The store is the only truth: a message never makes a job (its row may be gone
+                # with a database restored from an older backup; nothing says it should run).
+                log.warning("job %s: no such job in the store; its message is dropped", job_id)
+                return Claim(None, "unknown job")
+            status, attempts, heartbeat, forgiven, enqueued_at, last_worker, last_device, last_started = row
+            if status in TERMINAL:
+                return Claim(None, f"already {status}")
+            if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
+                # Safe to drop this copy: if that attempt dies, the lease reaper re-publishes.
+                return Claim(None, "running in another live attempt")
+            if attempts - (forgiven or 0) >= max_attempts:
+                conn.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.attempts == attempts, Job.status == status)
+                    .values(status=FAILED, finished_at=now, error_type="attempts_exhausted",
+                            error=f"gave up after {attempts - (forgiven or 0)} attempts: each one's worker "
+                                  "died or lost its lease mid-job")
+                )
+                return Claim(None, "attempts exhausted")
+            job = conn.execute(_CLAIM_WRITE, {
+                "p_job_id": job_id, "p_attempts": attempts, "p_status": status, "p_next_attempt": attempts + 1,
+                "p_worker": worker, "p_device": device, "p_now": now, "p_queue": queue,
+            }).mappings().first()
+            if job is not None:
+                if status == RUNNING:  # taken over from an attempt whose lease expired: it was lost
+                    conn.execute(insert(JobAttempt).values(
+                        job_id=job_id, attempt=attempts, worker=last_worker, device=last_device,
+                        started_at=last_started, ended_at=now, outcome=LOST, charged=True,
+                        cause=f"lease expired: taken over by {worker}"))
+                return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now, job=dict(job))
+        return Claim(None, "lost the race to another attempt")
+
+    def heartbeat(self, job_id: str, attempt: int) -> bool:
+        """Refresh the lease; False when this attempt no longer owns the job (cancelled, or a
+        newer attempt took over), which tells the caller to abort its generation."""
+        return job_id not in self.heartbeat_many({job_id: attempt})
+
+    def heartbeat_many(self, attempts: dict[str, int]) -> set[str]:
+        """Refresh the leases of many attempts ``{job id: attempt}`` in one transaction; return
+        the job ids those attempts no longer own (cancelled, finished elsewhere, superseded)."""
+        if not attempts:
+            return set()
+        now = time.time()
+        with self._write() as conn:
+            conn.execute(
+                update(Job)
+                .where(Job.id == bindparam("job_id"), Job.attempts == bindparam("attempt"), Job.status == RUNNING)
+                .values(heartbeat_at=now),
+                [{"job_id": job_id, "attempt": attempt} for job_id, attempt in attempts.items()],
+            )
+            rows = conn.execute(
+                select(Job.id, Job.attempts, Job.status).where(Job.id.in_(list(attempts)))
+            ).all()
+        owned = {job_id for job_id, attempt, status in rows if status == RUNNING and attempt == attempts[job_id]}
+        return set(attempts) - owned
+
+    def finish(self, job_id: str, attempt: int, values: dict[str, Any]) -> bool:
+        """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
+        return self.finish_many([(job_id, attempt, values)])[0]
+
+    def finish_many(self, results: Sequence[tuple[str, int, dict[str, Any]]]) -> list[bool]:
+        """``finish`` of each (job id, attempt, values) in one write; True where it was stored."""
+        def write(conn: Connection) -> list[bool]:
+            stored = []
+            for job_id, attempt, values in results:
+                params = {f"v_{k}": v for k, v in values.items()}
+                res = conn.execute(_finish_statement(tuple(values)), dict(params, p_job_id=job_id, p_attempt=attempt))
+                stored.append(res.rowcount == 1)
+            return stored
+
+        return self._write_op(write) if results else []
+
+    def fail(self, job_id: str, attempt: int, error: str, error_type: str = "generation_error") -> bool:
+        return self.finish(
+            job_id, attempt, {"status": FAILED, "error": error, "error_type": error_type, "finished_at": time.time()}
+        )
+
+    def give_back(self, job_id: str, attempt: int, reason: str, *, forgive: bool = True) -> bool:
+        """Put a running attempt's job back in the queue at once (drain, a dying engine).
+
+        ``forgive`` keeps the attempt from counting against ``max_attempts``. The caller has
+        stopped generating it and publishes a new message right after; False means this
+        attempt no longer owns the job (cancelled, reaped, superseded): publish nothing.
+        """
+        now = time.time()
+        values: dict[str, Any] = dict(status=QUEUED, heartbeat_at=None, recovered_at=now, published_at=now,
+                                      error=f"given back: {reason}", error_type=None)
+        if forgive:
+            values["attempts_forgiven"] = Job.attempts_forgiven + 1
+        with self._write() as conn:
+            res = conn.execute(
+                update(Job).where(Job.id == job_id, Job.attempts == attempt, Job.status == RUNNING).values(**values)
+            )
+            if res.rowcount == 1:
+                conn.execute(attempt_ended(job_id, attempt, GIVEN_BACK, reason, charged=not forgive, now=now))
+            return res.rowcount == 1
+
