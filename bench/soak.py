@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import Any
 from pathlib import Path
 
 # bench/queue.py is named like the stdlib's ``queue``; keep this folder off the import path.
@@ -38,6 +39,27 @@ sys.path.insert(0, str(ROOT))
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def soak_workers(settings: Any, args: argparse.Namespace, tmp: Path, *, max_attempts: int) -> list[Any]:
+    """Two local workers with leases short enough that a killed one's jobs come back within seconds."""
+    from worker.run.local import LocalWorker
+
+    env = {"SPECBATCH_LEASE_SECONDS": str(args.lease), "SPECBATCH_HEARTBEAT_SECONDS": str(min(1.0, args.lease / 4)),
+           "SPECBATCH_SWEEP_SECONDS": str(args.sweep), "SPECBATCH_ORPHAN_GRACE_SECONDS": str(2 * args.lease),
+           "SPECBATCH_MAX_ATTEMPTS": str(max_attempts), "OMP_NUM_THREADS": "1"}
+    return [LocalWorker(settings, concurrency=2 * args.seqs, max_num_seqs=args.seqs, loglevel="info",
+                        log_path=str(tmp / f"worker{i}.log"), extra_env=env) for i in range(2)]
+
+
+def submit_soak_jobs(client: Any, args: argparse.Namespace, *, name: str, logs: Path) -> str:
+    """``args.jobs`` tiny greedy jobs as one batch; returns its id."""
+    rows = [{"custom_id": f"s{i}", "prompt": f"tiny job {i}", "max_tokens": args.max_tokens, "ignore_eos": True,
+             "temperature": 0} for i in range(args.jobs)]
+    t0 = time.time()
+    batch_id = client.submit_batch(rows, name=name).batch_id
+    print(f"submitted {args.jobs} jobs in {time.time() - t0:.1f} s; queue {client.settings.queue}; logs in {logs}", flush=True)
+    return batch_id
 
 
 def main() -> None:
@@ -66,7 +88,6 @@ def main() -> None:
     from tests.helpers.tiny_models import make_tiny_model
     from worker.api.client import Client
     from worker.common.config import Settings
-    from worker.run.local import LocalWorker
     from worker.store.models import QUEUED, RUNNING, SUCCEEDED
 
     tmp = Path(tempfile.mkdtemp(prefix="specbatch-soak-"))
@@ -74,17 +95,10 @@ def main() -> None:
     db = args.database_url or f"sqlite:///{tmp / 'soak.db'}"
     queue = f"gen.soak-{uuid.uuid4().hex[:8]}"
     settings = Settings(broker_url=args.broker_url, database_url=db, model=model, device="cpu", queue=queue)
-    env = {"SPECBATCH_LEASE_SECONDS": str(args.lease), "SPECBATCH_HEARTBEAT_SECONDS": str(min(1.0, args.lease / 4)),
-           "SPECBATCH_SWEEP_SECONDS": str(args.sweep), "SPECBATCH_ORPHAN_GRACE_SECONDS": str(2 * args.lease),
-           "SPECBATCH_MAX_ATTEMPTS": "20", "OMP_NUM_THREADS": "1"}
-    workers = [LocalWorker(settings, concurrency=2 * args.seqs, max_num_seqs=args.seqs, loglevel="info",
-                           log_path=str(tmp / f"worker{i}.log"), extra_env=env) for i in range(2)]
+    workers = soak_workers(settings, args, tmp, max_attempts=20)
     client = Client(broker_url=args.broker_url, database_url=db, model=model, queue=queue)
-    rows = [{"custom_id": f"s{i}", "prompt": f"tiny job {i}", "max_tokens": args.max_tokens, "ignore_eos": True,
-             "temperature": 0} for i in range(args.jobs)]
     t0 = time.time()
-    batch_id = client.submit_batch(rows, name=f"soak-{queue}").batch_id
-    print(f"submitted {args.jobs} jobs in {time.time() - t0:.1f} s; queue {queue}; logs in {tmp}", flush=True)
+    batch_id = submit_soak_jobs(client, args, name=f"soak-{queue}", logs=tmp)
 
     recoveries: list[float] = []
     watchers: list[threading.Thread] = []

@@ -66,6 +66,7 @@ def run_chaos(args: Any) -> int:
     from tests.faults.conftest import RedisServer, TcpProxy, engine_pid
     from worker.api.client import Client
     from worker.common.config import Settings
+    from bench.soak import soak_workers, submit_soak_jobs
     from worker.run.local import LocalWorker
     from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
     from worker.store.store import Store
@@ -80,17 +81,10 @@ def run_chaos(args: Any) -> int:
     Store(pg_direct, auto_upgrade=True)
     queue = f"gen.chaos-{uuid.uuid4().hex[:8]}"
     settings = Settings(broker_url=redis_server.url, database_url=pg_proxied, model=model, device="cpu", queue=queue)
-    env = {"SPECBATCH_LEASE_SECONDS": str(args.lease), "SPECBATCH_HEARTBEAT_SECONDS": str(min(1.0, args.lease / 4)),
-           "SPECBATCH_SWEEP_SECONDS": str(args.sweep), "SPECBATCH_ORPHAN_GRACE_SECONDS": str(2 * args.lease),
-           "SPECBATCH_MAX_ATTEMPTS": "3", "OMP_NUM_THREADS": "1"}
-    workers = [LocalWorker(settings, concurrency=2 * args.seqs, max_num_seqs=args.seqs, loglevel="info",
-                           log_path=str(tmp / f"worker{i}.log"), extra_env=env) for i in range(2)]
+    workers = soak_workers(settings, args, tmp, max_attempts=3)
     client = Client(broker_url=redis_server.url, database_url=pg_direct, model=model, queue=queue)
-    rows = [{"custom_id": f"s{i}", "prompt": f"tiny job {i}", "max_tokens": args.max_tokens, "ignore_eos": True,
-             "temperature": 0} for i in range(args.jobs)]
     t0 = time.time()
-    batch_id = client.submit_batch(rows, name=f"chaos-{queue}").batch_id
-    print(f"submitted {args.jobs} jobs in {time.time() - t0:.1f} s; queue {queue}; logs in {tmp}", flush=True)
+    batch_id = submit_soak_jobs(client, args, name=f"chaos-{queue}", logs=tmp)
 
     def ready(w: LocalWorker) -> bool:
         return w.alive and Path(w.log_path).read_text(errors="replace").count(" ready.") >= 1 + w.restarts

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterator
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -130,33 +129,17 @@ class EngineLoop:
         return self.error is not None and self.engine is not None
 
     # ------------------------------------------------------------ any thread
-    def submit(
-        self,
-        prompt: str | list[int] | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        params: SamplingParams | dict | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
-    ) -> RequestHandle:
-        """Validate and queue a request; it joins the running batch at the next step."""
+    def submit(self, prompt: str | list[int] | None = None, **fields: Any) -> RequestHandle:
+        """Validate a request (``LLMEngine.make_request``, whose keywords it takes: messages,
+        params, request_id, arrival_time, cache_salt, priority) and queue it; it joins the running
+        batch at the next step."""
         if not self._accepting:
             raise RuntimeError("the engine loop is shutting down")
         if self.engine is None:  # built by the loop thread: wait for it
             self._ready.wait()
             if self.engine is None:
                 raise RuntimeError(f"the engine could not be built: {self.error!r}")
-        request = self.engine.make_request(
-            prompt,
-            messages=messages,
-            params=params,
-            request_id=request_id,
-            arrival_time=arrival_time,
-            cache_salt=cache_salt,
-            priority=priority,
-        )
+        request = self.engine.make_request(prompt, **fields)
         handle = RequestHandle(request.request_id)
         with self._accept_lock:
             if not self._accepting:

@@ -182,6 +182,7 @@ class Runtime:
     inflight_lock: threading.Lock = field(default_factory=threading.Lock)
     dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
     group_slots: "JobSlots" = field(default_factory=lambda: JobSlots(group_slot_count()))
+    settings: Settings = field(default_factory=settings)  # the process's, read once; its tasks read them here
 
     def heartbeats(self, store: Any, interval: float) -> Any:
         """The process's one ``Heartbeat`` (refreshing every running job's lease), started once."""

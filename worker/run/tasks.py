@@ -25,7 +25,7 @@ from celery.worker.control import control_command
 
 from . import runtime
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
-from worker.common.config import model_slug, settings
+from worker.common.config import model_slug
 from worker.store.dbretry import with_db_retry
 from worker.request.logprobs import Pieces, pack
 from worker.store.models import FAILED, SUCCEEDED
@@ -147,8 +147,8 @@ class _Held:
 def _run_held(task, rt: runtime.Runtime, store, job_ids: list[str], queue: str, held: _Held) -> list[dict[str, Any]]:
     worker = task.request.hostname or runtime.worker_name(rt.label)
     claims = with_db_retry("claim", lambda: store.claim_many(
-        job_ids, worker=worker, device=rt.label, lease_s=settings().lease_seconds,
-        max_attempts=settings().max_attempts, queue=queue))
+        job_ids, worker=worker, device=rt.label, lease_s=rt.settings.lease_seconds,
+        max_attempts=rt.settings.max_attempts, queue=queue))
     outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(job_ids)
     running: list[Running] = []
     for index, (job_id, claim) in enumerate(zip(job_ids, claims)):
@@ -234,8 +234,8 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
     except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
         return give_back(rt, store, job_id, attempt, job, f"engine unavailable: {exc!r}", forgive=True), None
     rt.add_inflight(job_id, request_id)
-    rt.heartbeats(store, settings().heartbeat_seconds).track(job_id, attempt, request_id)  # one thread refreshes every lease
-    return Running(index, job_id, attempt, job, req, request_id, handle, time.time() + settings().max_job_seconds)
+    rt.heartbeats(store, rt.settings.heartbeat_seconds).track(job_id, attempt, request_id)  # one thread refreshes every lease
+    return Running(index, job_id, attempt, job, req, request_id, handle, time.time() + rt.settings.max_job_seconds)
 
 
 def engine_death(rt: runtime.Runtime, wait_s: float = 5.0) -> BaseException | None:
@@ -262,11 +262,11 @@ def wait_and_store(rt: runtime.Runtime, store,
     in one write) and yield (index, (what happened, the result columns written))."""
     from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
 
-    heartbeat = rt.heartbeats(store, settings().heartbeat_seconds)
+    heartbeat = rt.heartbeats(store, rt.settings.heartbeat_seconds)
     pending = {r.request_id: r for r in running}
     try:
         while pending:
-            wait([r.handle.future for r in pending.values()], timeout=settings().heartbeat_seconds,
+            wait([r.handle.future for r in pending.values()], timeout=rt.settings.heartbeat_seconds,
                  return_when=FIRST_COMPLETED)
             now = time.time()
             done: list[Running] = []
@@ -274,7 +274,7 @@ def wait_and_store(rt: runtime.Runtime, store,
                 if r.handle.done():
                     done.append(pending.pop(r.request_id))
                 elif r.aborted_because is None and now > r.deadline:
-                    r.aborted_because = f"exceeded the {settings().max_job_seconds:.0f} s job limit"
+                    r.aborted_because = f"exceeded the {rt.settings.max_job_seconds:.0f} s job limit"
                     rt.loop.abort(r.request_id)
             to_store: list[tuple[Running, dict[str, Any]]] = []
             for r in done:
