@@ -62,6 +62,18 @@ def submit_soak_jobs(client: Any, args: argparse.Namespace, *, name: str, logs: 
     return batch_id
 
 
+def soak_outcome(client: Any, batch_id: str, workers: list[Any]) -> tuple[list[Any], dict[str, int], dict[str, int]]:
+    """The batch's jobs, its counts by status, and how many results each job had stored
+    (read from the workers' logs: more than one would be a duplicate)."""
+    jobs = client.store.jobs(batch_id)
+    counts = client.store.batch_counts(batch_id)
+    logs = "".join(Path(w.log_path).read_text(errors="replace") for w in workers)
+    stored: dict[str, int] = {}
+    for job_id in re.findall(r"job (\w+) attempt \d+ stored: succeeded", logs):
+        stored[job_id] = stored.get(job_id, 0) + 1
+    return jobs, counts, stored
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=None, help="default 10,000 (20,000 with --chaos)")
@@ -155,12 +167,7 @@ def main() -> None:
     for w in workers:
         w.stop(timeout=30)
 
-    jobs = client.store.jobs(batch_id)
-    counts = client.store.batch_counts(batch_id)
-    logs = "".join(Path(w.log_path).read_text(errors="replace") for w in workers)
-    stored: dict[str, int] = {}
-    for job_id in re.findall(r"job (\w+) attempt \d+ stored: succeeded", logs):
-        stored[job_id] = stored.get(job_id, 0) + 1
+    jobs, counts, stored = soak_outcome(client, batch_id, workers)
     lost = sum(1 for j in jobs if j.status != SUCCEEDED and j.status not in (QUEUED, RUNNING))
     stuck = counts[QUEUED] + counts[RUNNING]
     duplicates = sum(n - 1 for n in stored.values() if n > 1)

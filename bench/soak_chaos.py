@@ -66,7 +66,7 @@ def run_chaos(args: Any) -> int:
     from tests.faults.conftest import RedisServer, TcpProxy, engine_pid
     from worker.api.client import Client
     from worker.common.config import Settings
-    from bench.soak import soak_workers, submit_soak_jobs
+    from bench.soak import soak_outcome, soak_workers, submit_soak_jobs
     from worker.run.local import LocalWorker
     from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
     from worker.store.store import Store
@@ -157,12 +157,7 @@ def run_chaos(args: Any) -> int:
     for w in workers:
         w.stop(timeout=30)
 
-    jobs = client.store.jobs(batch_id)
-    counts = client.store.batch_counts(batch_id)
-    logs = "".join(Path(w.log_path).read_text(errors="replace") for w in workers)
-    stored: dict[str, int] = {}
-    for job_id in re.findall(r"job (\w+) attempt \d+ stored: succeeded", logs):
-        stored[job_id] = stored.get(job_id, 0) + 1
+    jobs, counts, stored = soak_outcome(client, batch_id, workers)
     failed = counts[FAILED] + counts["cancelled"]
     stuck = counts[QUEUED] + counts[RUNNING]
     duplicates = sum(n - 1 for n in stored.values() if n > 1)
