@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -60,22 +64,55 @@ def db_url(request, tmp_path):
     return request.getfixturevalue("pg_url")
 
 
-@pytest.fixture
-def redis_url():
-    """A Redis database of its own on the real server (db 1..15 picked at random)."""
+@contextmanager
+def own_redis_db() -> Iterator[str]:
+    """A Redis database (1..15) on the real server that no other test holds meanwhile, also
+    across pytest-xdist's processes (a lock file each), or an embedded server if none is up.
+    Queue names are unique per test anyway; Celery's worker registry and events are per
+    database, so two tests sharing one would see each other's workers."""
+    import fcntl
+
     import redis
 
     try:
-        r = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
-        r.ping()
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
     except Exception:
         from worker.dispatch.embedded import embedded_redis_url
 
         yield embedded_redis_url()
         return
-    db = 1 + uuid.uuid4().int % 15
-    url = f"{REDIS_URL}/{db}"
-    yield url
+    lock_dir = Path(tempfile.gettempdir()) / "specbatch-test-redis-dbs"
+    lock_dir.mkdir(exist_ok=True)
+    start = uuid.uuid4().int % 15
+    while True:
+        for i in range(15):
+            db = 1 + (start + i) % 15
+            handle = open(lock_dir / f"{db}.lock", "w")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            try:
+                yield f"{REDIS_URL}/{db}"
+            finally:
+                handle.close()  # closing releases the lock
+            return
+        time.sleep(0.1)  # all 15 held: more tests at once than databases
+
+
+@pytest.fixture
+def redis_url():
+    """A Redis database of its own on the real server (``own_redis_db``)."""
+    with own_redis_db() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_redis_url():
+    """``redis_url`` held for a whole module (its module-scoped worker or run)."""
+    with own_redis_db() as url:
+        yield url
 
 
 @pytest.fixture

@@ -42,22 +42,8 @@ def chat(cid: str, content: str, **body) -> str:
                        "body": {"messages": [{"role": "user", "content": content}], **body}})
 
 
-def redis_for_module() -> str:
-    """A Redis database of its own on the real server (embedded if none is up), as ``redis_url``."""
-    import redis
-
-    url = os.environ.get("SPECBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379")
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
-    except Exception:
-        from worker.dispatch.embedded import embedded_redis_url
-
-        return embedded_redis_url()
-    return f"{url}/{1 + uuid.uuid4().int % 15}"
-
-
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory, tiny_model_dir):
+def ran(tmp_path_factory, tiny_model_dir, module_redis_url):
     """A real ``specbatch run``: 10 chat lines through a local worker with n-gram speculation,
     one malformed line and one invalid one (its custom_id is HTML). Returns (database URL, batch id)."""
     tmp = tmp_path_factory.mktemp("run")
@@ -70,7 +56,7 @@ def ran(tmp_path_factory, tiny_model_dir):
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=f"gen.report-{uuid.uuid4().hex[:8]}",
                SPECBATCH_WORKER_LOG=str(tmp / "worker.log"))
     env.pop("DATABASE_URL", None)
-    res = subprocess.run([sys.executable, "-m", "worker.api.cli", "--broker-url", redis_for_module(), "--database-url", db,
+    res = subprocess.run([sys.executable, "-m", "worker.api.cli", "--broker-url", module_redis_url, "--database-url", db,
                           "run", str(src), "-o", str(tmp / "out.jsonl"), "--model", tiny_model_dir,
                           "--max-num-seqs", "4", "--speculative", "ngram:4"],
                          env=env, cwd=tmp, capture_output=True, text=True, timeout=240)
