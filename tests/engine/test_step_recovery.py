@@ -71,10 +71,13 @@ def test_a_transient_step_failure_loses_nothing(engine, tiny_model_dir):
 def test_a_dying_loop_hands_requests_back_as_engine_died(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("SPECBATCH_FAULTS", '{"loop_dies_after_steps": 3}')
     died = threading.Event()
-    loop = EngineLoop.build(lambda: LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu")),
-                            on_death=lambda exc: died.set())
+    # Every request is queued before the loop takes its first step, so all of them are in flight
+    # when it dies after three: none can be refused at submit because the loop died first.
+    loop = EngineLoop(LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu")),
+                      on_death=lambda exc: died.set())
     handles = [loop.submit(p, params=SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
                for p in PROMPTS]
+    loop.start()
     for handle in handles:
         with pytest.raises(EngineDied):
             handle.result(timeout=60)
