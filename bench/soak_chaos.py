@@ -66,7 +66,7 @@ def run_chaos(args: Any) -> int:
     from tests.faults.conftest import RedisServer, TcpProxy, engine_pid
     from worker.api.client import Client
     from worker.common.config import Settings
-    from bench.soak import soak_outcome, soak_workers, submit_soak_jobs
+    from bench.soak_setup import soak_outcome, soak_workers, submit_soak_jobs
     from worker.run.local import LocalWorker
     from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
     from worker.store.store import Store

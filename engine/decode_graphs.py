@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import PagedMetadata
+from engine.step_inputs import StepInputs
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -84,8 +85,6 @@ class DecodeGraphs:
             self.context_lens[batch:size].zero_()
 
     def _forward(self, size: int) -> torch.Tensor:
-        from engine.model_runner import StepInputs
-
         metadata = PagedMetadata(
             kv_caches=self.runner.kv_caches,
             slot_mapping=self.slot_mapping[:size],

@@ -8,29 +8,19 @@ positions and cache slots; the model computes logits only at the positions that 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
+import specbatch_kernels
 import torch
 from transformers import PreTrainedModel
 
-import specbatch_kernels
 from engine.attention import PagedMetadata
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.memory import available_memory_bytes, default_cpu_kv_blocks
 from engine.scheduler import ScheduledSeq
+from engine.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
-
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: PagedMetadata
-    logits_indices: torch.Tensor
-    # For each scheduled sequence that samples: (index into scheduled, first logits row, rows).
-    sample_rows: list[tuple[int, int, int]]
-
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, config: EngineConfig, max_model_len: int) -> None:

@@ -13,7 +13,8 @@ import time
 import torch
 
 from engine.attention import PagedMetadata
-from engine.model_runner import ModelRunner, StepInputs
+from engine.model_runner import ModelRunner
+from engine.step_inputs import StepInputs
 
 CONTEXT = 64
 TARGET_LAYOUTS = ((1, 1), (1, 2), (1, 8), (4, 1), (4, 4), (16, 1))

@@ -28,10 +28,11 @@ import torch
 from engine.attention import ATTN_IMPLEMENTATION
 from engine.config import parse_dtype
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, StepInputs
+from engine.model_runner import ModelRunner
 from engine.sampler import SampleRow, noise_keys
 from engine.sequence import Sequence
 from engine.spec.proposer import EMPTY, Proposal
+from engine.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
