@@ -122,7 +122,9 @@ def test_duplicate_messages_in_flight_yield_one_result(sqlite_url, redis_url, un
     try:
         counts = client.wait(sub.batch_id, timeout=120)
         assert counts["succeeded"] == 10
-        time.sleep(1.0)  # let the second copies be consumed
+        # The second copies are consumed and each skips its job (it already succeeded).
+        wait_until(lambda: len(re.findall(r"job \w+ skipped: ", (tmp_path / "worker.log").read_text())) >= 10,
+                   timeout=30)
         jobs = client.store.jobs(sub.batch_id)
         assert all(j.attempts == 1 for j in jobs)
         lines = list(client.iter_results(sub.batch_id, timeout=5))
