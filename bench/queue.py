@@ -228,6 +228,9 @@ def main() -> None:
     ap.add_argument("--skip-submit", action="store_true")
     ap.add_argument("--no-metrics", action="store_true", help="run the worker without --metrics-port")
     args = ap.parse_args()
+    from bench.openmp import run_with_engine_openmp
+
+    run_with_engine_openmp()  # the in-process side spins as the worker's engine does
     workdir = Path(tempfile.mkdtemp(prefix="specbatch-bench-"))
     db_url = args.database_url or f"sqlite:///{workdir / 'bench.db'}"
 

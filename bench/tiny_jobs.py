@@ -173,6 +173,9 @@ def main() -> None:
                     help="the worker's task threads (default: the worker's own, 2 x max-num-seqs plus the "
                          "interactive reserve): how many jobs it holds at once")
     args = ap.parse_args()
+    from bench.openmp import run_with_engine_openmp
+
+    run_with_engine_openmp()  # the in-process side spins as the worker's engine does
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model = make_model(workdir, args.model)
