@@ -24,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 # bench/queue.py is named like the stdlib's ``queue``; keep this folder off the import path.
@@ -33,7 +32,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 ROOT = _HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.soak_setup import soak_outcome, soak_workers, submit_soak_jobs
+from bench.soak_setup import soak_outcome, start_soak
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -65,19 +64,13 @@ def main() -> None:
     args.jobs = args.jobs or 10_000
 
     from tests.helpers.tiny_models import make_tiny_model
-    from worker.api.client import Client
-    from worker.common.config import Settings
     from worker.store.models import QUEUED, RUNNING, SUCCEEDED
 
     tmp = Path(tempfile.mkdtemp(prefix="specbatch-soak-"))
     model = str(make_tiny_model(tmp / "model"))
     db = args.database_url or f"sqlite:///{tmp / 'soak.db'}"
-    queue = f"gen.soak-{uuid.uuid4().hex[:8]}"
-    settings = Settings(broker_url=args.broker_url, database_url=db, model=model, device="cpu", queue=queue)
-    workers = soak_workers(settings, args, tmp, max_attempts=20)
-    client = Client(broker_url=args.broker_url, database_url=db, model=model, queue=queue)
-    t0 = time.time()
-    batch_id = submit_soak_jobs(client, args, name=f"soak-{queue}", logs=tmp)
+    workers, client, batch_id, t0 = start_soak("soak", args, tmp, model=model, broker_url=args.broker_url,
+                                               worker_db_url=db, client_db_url=db, max_attempts=20)
 
     recoveries: list[float] = []
     watchers: list[threading.Thread] = []

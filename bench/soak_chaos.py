@@ -62,11 +62,9 @@ def run_chaos(args: Any) -> int:
 
     from sqlalchemy.engine import make_url
 
-    from tests.helpers.tiny_models import make_tiny_model
+    from bench.soak_setup import soak_outcome, start_soak
     from tests.faults.conftest import RedisServer, TcpProxy, engine_pid
-    from worker.api.client import Client
-    from worker.common.config import Settings
-    from bench.soak_setup import soak_outcome, soak_workers, submit_soak_jobs
+    from tests.helpers.tiny_models import make_tiny_model
     from worker.run.local import LocalWorker
     from worker.store.models import FAILED, QUEUED, RUNNING, SUCCEEDED
     from worker.store.store import Store
@@ -79,12 +77,8 @@ def run_chaos(args: Any) -> int:
     proxy = TcpProxy(url.port or 5432)
     pg_proxied = url.set(port=proxy.port).render_as_string(hide_password=False)
     Store(pg_direct, auto_upgrade=True)
-    queue = f"gen.chaos-{uuid.uuid4().hex[:8]}"
-    settings = Settings(broker_url=redis_server.url, database_url=pg_proxied, model=model, device="cpu", queue=queue)
-    workers = soak_workers(settings, args, tmp, max_attempts=3)
-    client = Client(broker_url=redis_server.url, database_url=pg_direct, model=model, queue=queue)
-    t0 = time.time()
-    batch_id = submit_soak_jobs(client, args, name=f"chaos-{queue}", logs=tmp)
+    workers, client, batch_id, t0 = start_soak("chaos", args, tmp, model=model, broker_url=redis_server.url,
+                                               worker_db_url=pg_proxied, client_db_url=pg_direct, max_attempts=3)
 
     def ready(w: LocalWorker) -> bool:
         return w.alive and Path(w.log_path).read_text(errors="replace").count(" ready.") >= 1 + w.restarts

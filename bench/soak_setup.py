@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +42,18 @@ def soak_outcome(client: Any, batch_id: str, workers: list[Any]) -> tuple[list[A
     for job_id in re.findall(r"job (\w+) attempt \d+ stored: succeeded", logs):
         stored[job_id] = stored.get(job_id, 0) + 1
     return jobs, counts, stored
+
+
+def start_soak(kind: str, args: argparse.Namespace, tmp: Path, *, model: str, broker_url: str, worker_db_url: str,
+               client_db_url: str, max_attempts: int) -> tuple[list[Any], Any, str, float]:
+    """A queue of its own, the two workers on it, a client, and the batch submitted: returns
+    (workers, client, batch id, the time.time() it was submitted at)."""
+    from worker.api.client import Client
+    from worker.common.config import Settings
+
+    queue = f"gen.{kind}-{uuid.uuid4().hex[:8]}"
+    settings = Settings(broker_url=broker_url, database_url=worker_db_url, model=model, device="cpu", queue=queue)
+    workers = soak_workers(settings, args, tmp, max_attempts=max_attempts)
+    client = Client(broker_url=broker_url, database_url=client_db_url, model=model, queue=queue)
+    started = time.time()
+    return workers, client, submit_soak_jobs(client, args, name=f"{kind}-{queue}", logs=tmp), started
