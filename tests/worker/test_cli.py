@@ -51,37 +51,41 @@ def test_run_mixed_file(tmp_path, redis_url, unique_queue):
         chat("bad-param", "z", max_tokens=0),
         '{"prompt": "plain line", "max_tokens": 6}',
         chat("ok-1", "duplicate id", max_tokens=8),
+        chat("served", "hi", model="gpt-4o-mini", max_tokens=4, max_completion_tokens=3),  # the file's own model name
+        chat("other-model", "hi", model="gpt-9", max_tokens=4),
     ]
     src, out, env, servers = setup_run(tmp_path, redis_url, unique_queue, lines)
-    args = [*servers, "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "8"]
+    args = [*servers, "run", str(src), "-o", str(out), "--model", model, "--max-num-seqs", "8",
+            "--served-model-name", "gpt-4o-mini"]
     res = run_cli(args, env, tmp_path)
     assert res.returncode == 1, res.stderr[-3000:]
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(rows) == len(lines)
     by_line = {r["specbatch"]["line"]: r for r in rows}
     assert sorted(by_line) == list(range(1, len(lines) + 1))
-    for n in (1, 3, 5, 8):
+    for n in (1, 3, 5, 8, 10):
         assert by_line[n]["error"] is None and by_line[n]["response"]["status_code"] == 200, by_line[n]
+    assert by_line[10]["response"]["body"]["usage"]["completion_tokens"] <= 3  # max_completion_tokens wins
     assert len(by_line[5]["response"]["body"]["choices"]) == 2
     assert by_line[5]["response"]["body"]["object"] == "text_completion"
     assert by_line[8]["custom_id"] == "line-8"
     expected = {2: "malformed JSON", 4: "frobnicate: unknown field", 6: "over the model's context",
-                7: "max_tokens", 9: "duplicate custom_id"}
+                7: "max_tokens", 9: "duplicate custom_id", 11: "pass --served-model-name gpt-9"}
     for n, needle in expected.items():  # OpenAI's error-file shape for invalid requests
         assert by_line[n]["error"] is None and by_line[n]["response"]["status_code"] == 400, by_line[n]
         err = by_line[n]["response"]["body"]["error"]
         assert err["type"] == "invalid_request_error", err
         assert err["message"].startswith(f"line {n}:") and needle in err["message"], err
     flat = " ".join(res.stderr.split())
-    assert f"5 line(s) failed (error lines in {out}):" in flat  # each has its error line
-    assert re.search(r"│ lines\s+│ failed 5 succeeded 4\s+│", res.stderr), res.stderr  # every line, as the bar counts
+    assert f"6 line(s) failed (error lines in {out}):" in flat  # each has its error line
+    assert re.search(r"│ lines\s+│ failed 6 succeeded 5\s+│", res.stderr), res.stderr  # every line, as the bar counts
     assert "TTFT p50" in res.stderr
 
     # Rerun: nothing succeeded is generated again; the output still has every line.
     first = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows if (r["response"] or {}).get("status_code") == 200}
     res2 = run_cli(args, env, tmp_path)
     assert res2.returncode == 1
-    assert "enqueued 0 (published 0 so far), already succeeded 4" in " ".join(res2.stderr.split())
+    assert "enqueued 0 (published 0 so far), already succeeded 5" in " ".join(res2.stderr.split())
     rows2 = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(rows2) == len(lines)
     assert {r["custom_id"]: r["response"]["body"]["choices"] for r in rows2 if (r["response"] or {}).get("status_code") == 200} == first

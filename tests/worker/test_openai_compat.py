@@ -229,14 +229,6 @@ def run_batch_in_process(client, llm, batch_id: str) -> None:
         assert store.finish(job_id, attempt, values)
 
 
-@pytest.fixture(scope="module")
-def named_models(tmp_path_factory):
-    """The tiny model saved under the two examples' model names (a served model name)."""
-    root = tmp_path_factory.mktemp("served")
-    return {name: str(make_tiny_model(root / name, logit_scale=8.0))
-            for name in ("gpt-3.5-turbo-0125", "Meta-Llama-3-8B-Instruct")}
-
-
 @pytest.fixture
 def client(sqlite_url, redis_url, unique_queue):
     from worker.api.client import Client
@@ -246,24 +238,58 @@ def client(sqlite_url, redis_url, unique_queue):
                   store=Store(sqlite_url, auto_upgrade=True))
 
 
-@pytest.mark.parametrize("example", ["openai", "vllm"])
-def test_documented_example_files_run_unchanged(example, named_models, client, tmp_path):
-    lines, name = (OPENAI_GUIDE, "gpt-3.5-turbo-0125") if example == "openai" else (VLLM_EXAMPLE, "Meta-Llama-3-8B-Instruct")
-    model = named_models[name]
+# OpenAI's API reference example line (the batch request input object), verbatim: it names OpenAI's model.
+OPENAI_REFERENCE = [
+    '{"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-4o-mini", "messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 2+2?"}]}}',
+]
+EXAMPLES = {"openai-reference": (OPENAI_REFERENCE, "gpt-4o-mini"), "openai-guide": (OPENAI_GUIDE, "gpt-3.5-turbo-0125"),
+            "vllm": (VLLM_EXAMPLE, "meta-llama/Meta-Llama-3-8B-Instruct")}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_documented_example_files_run_unchanged_under_a_served_model_name(example, tiny_model_dir, sqlite_url,
+                                                                           redis_url, unique_queue, tmp_path):
+    """The user's file as published, naming its own model, on our model with --served-model-name
+    (the model is the suite's tiny one under its own folder name, not saved under the file's name)."""
+    from worker.api.client import Client
+    from worker.store.store import Store
+
+    lines, name = EXAMPLES[example]
+    assert name.split("/")[-1] not in tiny_model_dir
     path = tmp_path / "batch.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    sub = client.submit_batch(path, model=model)
-    assert not sub.bad_lines and sub.num_good == 2
-    llm = LLM(model, device="cpu", max_model_len=256)
+    store = Store(sqlite_url, auto_upgrade=True)
+    refused = Client(broker_url=redis_url, database_url=sqlite_url, queue=unique_queue, store=store,
+                     model=tiny_model_dir).submit_batch(path, name="without the flag")
+    assert refused.num_good == 0 and refused.num_bad == len(lines)
+    assert all(f"pass --served-model-name {name}" in b.message for b in refused.bad_lines), refused.bad_lines
+
+    client = Client(broker_url=redis_url, database_url=sqlite_url, queue=unique_queue, store=store,
+                    model=tiny_model_dir, served_model_names=[name])
+    sub = client.submit_batch(path, name="with the flag")
+    assert not sub.bad_lines and sub.num_good == len(lines)
+    llm = LLM(tiny_model_dir, device="cpu", max_model_len=256)
     run_batch_in_process(client, llm, sub.batch_id)
     rows = client.results(sub.batch_id)
-    assert [r["custom_id"] for r in rows] == ["request-1", "request-2"]
+    assert [r["custom_id"] for r in rows] == [f"request-{i}" for i in range(1, len(lines) + 1)]
     for row, job in zip(rows, client.store.jobs(sub.batch_id)):
+        assert job.status == "succeeded" and job.model == tiny_model_dir
         body = validate_line(row, "chat")
         assert isinstance(body, ChatCompletion) and body.choices[0].message.content == job.output_text
+        assert body.model == tiny_model_dir  # the output names the model that ran
         assert body.usage.prompt_tokens == job.num_prompt_tokens
         assert body.usage.completion_tokens == job.num_output_tokens
         assert body.usage.prompt_tokens_details.cached_tokens == job.num_cached_tokens
+
+
+def test_a_single_job_naming_a_served_name_runs_on_the_clients_model(tiny_model_dir, client):
+    from worker.api.client import Client
+
+    served = Client(broker_url=client.settings.broker_url, database_url=client.settings.database_url,
+                    queue=client.settings.queue, store=client.store, model=tiny_model_dir,
+                    served_model_names=["gpt-4o-mini"])
+    job_id = served.submit(messages=[{"role": "user", "content": "hi"}], model="gpt-4o-mini")
+    assert served.store.get_job(job_id).model == tiny_model_dir
 
 
 MIXED = [

@@ -124,16 +124,18 @@ def test_fuzz_sampling_params_from_dict(data):
 
 
 # ---- OpenAI fields: max_tokens / max_completion_tokens -----------------------------------
-def test_max_completion_tokens_is_max_tokens_and_a_conflict_is_an_error():
+def test_max_completion_tokens_is_max_tokens_and_wins_over_it():
     assert openai_sampling_params({"max_completion_tokens": 9}).max_tokens == 9
     assert openai_sampling_params({"max_completion_tokens": 9, "max_tokens": 9}).max_tokens == 9
     assert openai_sampling_params({"max_completion_tokens": None, "max_tokens": 5}).max_tokens == 5
-    with pytest.raises(ValueError, match="max_completion_tokens .9. and max_tokens .5. differ"):
-        openai_sampling_params({"max_completion_tokens": 9, "max_tokens": 5})
+    # Both given and different: the newer name wins (vLLM's rule), the line is not refused.
+    assert openai_sampling_params({"max_completion_tokens": 9, "max_tokens": 5}).max_tokens == 9
     with pytest.raises(ValueError, match="^max_completion_tokens: max_tokens must be at least 1"):
         openai_sampling_params({"max_completion_tokens": 0})
-    bad = parse_line(json.dumps({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 6}), 3)
-    assert isinstance(bad, BadLine) and bad.message.startswith("line 3: invalid params: max_completion_tokens")
+    with pytest.raises(ValueError, match="^max_tokens must be"):  # the value it replaces is still checked
+        openai_sampling_params({"max_completion_tokens": 9, "max_tokens": "many"})
+    req = parse_line(json.dumps({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 6}), 3)
+    assert isinstance(req, Request) and req.params.max_tokens == 6
 
 
 @FUZZ
@@ -191,6 +193,9 @@ def test_unknown_model_is_an_error_unless_it_is_the_batch_model():
     bad = parse_line(json.dumps(line), 5, model="HuggingFaceTB/SmolLM2-135M-Instruct")
     assert isinstance(bad, BadLine) and bad.custom_id == "a"
     assert bad.message.startswith("line 5: model: 'gpt-9-ultra' is not this batch's model")
+    assert "--served-model-name gpt-9-ultra" in bad.message  # the refusal names the way to run it
+    served = parse_line(json.dumps(line), 5, model="HuggingFaceTB/SmolLM2-135M-Instruct", served=("gpt-9-ultra",))
+    assert isinstance(served, Request) and served.model == "gpt-9-ultra"
     line["body"]["model"] = "smollm2-135m-instruct"  # the same slug: the batch's model
     assert isinstance(parse_line(json.dumps(line), 5, model="HuggingFaceTB/SmolLM2-135M-Instruct"), Request)
     assert isinstance(parse_line(json.dumps(line), 5), Request)  # no batch model: nothing to compare

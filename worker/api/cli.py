@@ -53,6 +53,11 @@ def _settings(ctx: click.Context, **flags) -> Settings:
     return use_settings(ctx.obj["settings"].but(**flags))
 
 
+def _names(given: tuple[str, ...]) -> str | None:
+    """A repeatable flag's values as the comma-separated setting (None: not given)."""
+    return ",".join(given) if given else None
+
+
 def _client(settings: Settings):
     from worker.api.client import Client
 
@@ -69,6 +74,9 @@ def _local_worker_log(settings: Settings) -> str:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output JSONL (default: <file>.out.jsonl).")
 @click.option("--model", default=None, help="Model name or path (SPECBATCH_MODEL).")
 @click.option("--batch-name", default=None, help="Batch to create or resume (default: the file's path and model).")
+@click.option("--served-model-name", "served_model_name", multiple=True,
+              help="Another name requests may give the model (repeatable; vLLM's flag): lines naming it "
+                   "(an OpenAI file's \"model\": \"gpt-4o-mini\") run on --model.")
 @click.option("--retry-failed", is_flag=True, help="Run again jobs that failed or were cancelled before.")
 @click.option("--device", default=None, help="Device of a local worker: cpu or cuda:N.")
 @click.option("--concurrency", type=int, default=None, help="Task threads of a local worker (default: 2 x max-num-seqs, plus the interactive reserve).")
@@ -86,15 +94,16 @@ def _local_worker_log(settings: Settings) -> str:
               help="Write and publish the batch, then exit: workers run it; follow with `status`, "
                    "fetch with `export` (or run the same command again to wait and write the output).")
 @click.pass_context
-def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency, max_num_seqs, local_worker, timeout,
-        speculative, draft_model, priority, max_in_flight, detach):
+def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, device, concurrency, max_num_seqs,
+        local_worker, timeout, speculative, draft_model, priority, max_in_flight, detach):
     """Stream FILE into a batch (jobs start while it is read), follow progress, and write
     the output file as results arrive (in input order; a rerun resumes it)."""
     _check_speculation(speculative, draft_model)
     from worker.ingest.thread import IngestThread
     from worker.request.validate import token_counter
 
-    settings = _settings(ctx, model=model, device=device, speculative=speculative, draft_model=draft_model)
+    settings = _settings(ctx, model=model, device=device, speculative=speculative, draft_model=draft_model,
+                         served_model_name=_names(served_model_name))
     if detach and not settings.broker_url:
         raise click.UsageError("--detach needs a broker that outlives this command (--broker-url or REDIS_URL): "
                                "the embedded Redis goes away when it exits")
@@ -155,7 +164,7 @@ def run(ctx, file, output, model, batch_name, retry_failed, device, concurrency,
         from itertools import islice
 
         for j in islice(client.store.iter_jobs(batch_id, statuses=("failed", "cancelled"), page=20), 20):
-            where = "" if (j.error or "").startswith("line ") else f"line {j.line_no}: "
+            where = "" if (j.error or "").startswith(("line ", "row ")) else f"line {j.line_no}: "
             named = f" [dim]({j.custom_id})[/]" if j.custom_id is not None else ""
             console.print(f"  {where}{j.error}{named}", soft_wrap=True)
         if unfinished > 20:
@@ -280,6 +289,9 @@ class _Row:
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the chat template.")
 @click.option("--model", default=None)
+@click.option("--served-model-name", "served_model_name", multiple=True,
+              help="Another name requests may give the model (repeatable; vLLM's flag): lines naming it "
+                   "(an OpenAI file's \"model\": \"gpt-4o-mini\") run on --model.")
 @click.option("--max-tokens", type=int, default=None, help="Output limit (default: SamplingParams', clamped to the context).")
 @click.option("--temperature", type=float, default=None, help="0 is greedy (default: SamplingParams').")
 @click.option("--seed", type=int, default=None, help="Sampling seed (default: a fresh one, recorded with the job).")
@@ -292,11 +304,11 @@ class _Row:
 @click.option("--local-worker/--no-local-worker", default=True,
               help="With --wait: start a worker here if none consumes the queue (as `run` does).")
 @click.pass_context
-def submit(ctx, prompt, chat, model, max_tokens, temperature, seed, custom_id, wait_s, priority, json_schema,
-           local_worker):
+def submit(ctx, prompt, chat, model, served_model_name, max_tokens, temperature, seed, custom_id, wait_s, priority,
+           json_schema, local_worker):
     """Enqueue one job and print its id (with --wait, wait for it and print its output line)."""
     embedded = not _settings(ctx).broker_url  # a Redis that lives as long as we do
-    client = _client(_settings(ctx, model=model))
+    client = _client(_settings(ctx, model=model, served_model_name=_names(served_model_name)))
     # Only what was given: every default is SamplingParams' own (one request model).
     params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("seed", seed))
               if v is not None}
@@ -363,6 +375,9 @@ def _wait_job(client, job_id: str, wait_s: float, worker, hint: str) -> None:
               help="cpu, cpu:N (a CPU slot: bound to core N, SPECBATCH_CPU_THREADS threads, default 1) "
                    "or cuda:N (pins CUDA_VISIBLE_DEVICES=N).")
 @click.option("--model", default=None)
+@click.option("--served-model-name", "served_model_name", multiple=True,
+              help="Another name requests may give the model (repeatable; vLLM's flag): lines naming it "
+                   "(an OpenAI file's \"model\": \"gpt-4o-mini\") run on --model.")
 @click.option("--queue", default=None,
               help="Queue to consume (default gen.<model-slug>), with its interactive lane <queue>.interactive first.")
 @click.option("--concurrency", "-c", type=int, default=None, help="Task threads (default: 2 x max-num-seqs for bulk work, plus the interactive reserve).")
@@ -384,7 +399,7 @@ def _wait_job(client, job_id: str, wait_s: float, worker, hint: str) -> None:
               help="torch threads of the engine process (default: one per core it may use; a CPU slot: 1). "
                    "On a small CPU host, one fewer than the cores leaves the worker process a core of its own.")
 @click.pass_context
-def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
+def worker(ctx, device, model, served_model_name, queue, concurrency, max_num_seqs, name, loglevel, speculative, draft_model,
            drain_timeout, quantization, metrics_port, metrics_address, engine_threads):
     """Run a Celery worker: one engine for this device, many task threads feeding it."""
     _check_speculation(speculative, draft_model)
@@ -392,7 +407,8 @@ def worker(ctx, device, model, queue, concurrency, max_num_seqs, name, loglevel,
     from worker.dispatch.lanes import lane_queues
     from worker.run.runtime import pin_device, worker_name
 
-    settings = _settings(ctx, device=device, model=model, queue=queue, max_num_seqs=max_num_seqs,
+    settings = _settings(ctx, device=device, model=model, served_model_name=_names(served_model_name), queue=queue,
+                         max_num_seqs=max_num_seqs,
                          speculative=speculative, draft_model=draft_model, drain_timeout=drain_timeout,
                          quantization=quantization, metrics_port=metrics_port, metrics_address=metrics_address,
                          engine_threads=engine_threads)

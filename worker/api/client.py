@@ -19,13 +19,15 @@ from sqlalchemy.exc import OperationalError
 from engine.sampling_params import SamplingParams
 
 from worker.dispatch.app import make_app
-from worker.common.config import Settings, queue_name
+from worker.common.config import Settings, queue_name, serves
 from worker.dispatch.lanes import lane_queue, lane_queues
 from worker.request.priority import BULK, INTERACTIVE, parse_priority
 from worker.store.dbretry import with_db_retry
 from worker.dispatch.embedded import ensure_broker_url
 from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, output_line
 from worker.ingest.stream import Ingest, IngestResult
+from worker.ingest.tables import Table, table_source, default_recipe
+from worker.request.table_rows import RowRecipe
 from worker.store.models import TERMINAL
 from worker.dispatch.pacer import Pacer
 from worker.dispatch.publish import publish_jobs
@@ -70,10 +72,14 @@ class Client:
         queue: str | None = None,
         store: Store | None = None,
         settings: Settings | None = None,
+        served_model_names: Sequence[str] | None = None,
     ) -> None:
-        """Arguments override ``settings`` (default: the environment's)."""
+        """Arguments override ``settings`` (default: the environment's). ``served_model_names``:
+        other names a request or a batch line may give ``model`` (vLLM's ``--served-model-name``):
+        an OpenAI file naming ``gpt-4o-mini`` runs on ``model`` when that name is one of them."""
+        served = ",".join(served_model_names) if served_model_names is not None else None
         resolved = (settings or Settings()).but(broker_url=broker_url, database_url=database_url, model=model,
-                                               queue=queue)
+                                               queue=queue, served_model_name=served)
         self.settings = resolved.but(broker_url=ensure_broker_url(resolved.broker_url))
         self.app = make_app(self.settings.broker_url, include_tasks=False)
         self.store = store or Store(self.settings.database_url)
@@ -81,6 +87,13 @@ class Client:
     @property
     def model(self) -> str:
         return self.settings.model
+
+    def model_for(self, asked: str | None) -> str:
+        """The model a request naming ``asked`` runs on: this client's model for one of its
+        served names (or none given), else ``asked`` itself."""
+        if asked is None or (asked != self.model and serves(self.model, self.settings.served_names, asked)):
+            return self.model
+        return asked
 
     def queue_for(self, model: str, priority: int | None = None) -> str:
         """The Redis queue of a job: the model's interactive or bulk lane (see ``worker.dispatch.lanes``)."""
@@ -114,7 +127,7 @@ class Client:
             raise ValueError(f"custom_id must be 1 to {MAX_CUSTOM_ID} characters as stored")  # the column's limit
         if not isinstance(params, SamplingParams):
             params = openai_sampling_params(params or {})
-        model = model or self.model
+        model = self.model_for(model)
         row = job_row(
             id=job_id, model=model, custom_id=custom_id, messages=messages,
             params=with_seed(params).to_dict(only_set=True), queue=self.queue_for(model, priority), priority=priority, user=user,
@@ -137,6 +150,8 @@ class Client:
         priority: int | str = BULK,
         max_in_flight: int | None = None,
         on_chunk: Callable[[IngestResult], None] | None = None,
+        recipe: RowRecipe | None = None,
+        format: str | None = None,
     ) -> BatchSubmission:
         """Stream the lines into a batch, a chunk at a time, publishing its first jobs as the
         first chunks land (``worker.ingest.stream``); returns when every line is written.
@@ -148,17 +163,33 @@ class Client:
         one; ``max_in_flight`` caps how many of the batch's jobs are published or running at
         once. The workers' pacers publish the rest, a window at a time, round-robin with the
         other open batches (``worker.dispatch.pacer``). ``on_chunk`` is called after each chunk is written.
+
+        A table (Parquet, CSV/TSV, a Hugging Face dataset folder or file, or JSONL records, by
+        ``format`` or the extension; ``worker.ingest.tables``) is read a record batch at a time,
+        each row built into a request by ``recipe`` (``RowRecipe``: a prompt column or a template
+        over the columns; default: the column ``prompt``). A recipe that can never work (a
+        template that does not parse, a column the table lacks) raises ``ValueError`` at once.
         """
         t0 = time.perf_counter()
         priority = parse_priority(priority)
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
-        model = model or self.model
+        model = self.model_for(model)
+        table = table_source(source, recipe, format)
+        if table is not None:
+            recipe = recipe or default_recipe(table)
+            recipe.check()
+            recipe.columns_used(table.column_names)
         ingest = Ingest(self.store, model=model, queue_for=self.queue_for, priority=priority,
                         retry_failed=retry_failed, count_tokens=count_tokens, max_model_len=max_model_len,
-                        pace=lambda: self.pace(model), on_chunk=on_chunk)
-        result = ingest.run(source, name=name, input_file=str(source) if isinstance(source, (str, Path)) else None,
-                            params={"retry_failed": retry_failed}, max_in_flight=max_in_flight)
+                        pace=lambda: self.pace(model), on_chunk=on_chunk, served=self.settings.served_names,
+                        recipe=recipe if table is not None else None)
+        params: dict[str, Any] = {"retry_failed": retry_failed}
+        if table is not None:
+            params["table"] = {"format": table.format, "recipe": recipe.to_dict()}
+        result = ingest.run(table if table is not None else source, name=name,
+                            input_file=str(source) if isinstance(source, (str, Path)) else None,
+                            params=params, max_in_flight=max_in_flight)
         return BatchSubmission(result.batch_id, result, result.published, time.perf_counter() - t0)
 
     def pace(self, model: str | None = None) -> int:

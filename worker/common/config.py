@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -52,6 +52,18 @@ def model_slug(model: str) -> str:
     base = model.rstrip("/").split("/")[-1] or model
     slug = re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-")
     return slug or "model"
+
+
+def serves(model: str, served: Sequence[str], asked: str) -> bool:
+    """Whether a request naming ``asked`` runs on ``model``: its own name (by slug) or one of its
+    served names (vLLM's ``--served-model-name``: the names a client may use for it)."""
+    slug = model_slug(asked)
+    return slug == model_slug(model) or any(slug == model_slug(name) for name in served)
+
+
+def split_names(raw: str | None) -> tuple[str, ...]:
+    """A comma-separated list of names (a setting), without blanks."""
+    return tuple(name.strip() for name in (raw or "").split(",") if name.strip())
 
 
 def queue_name(model: str) -> str:
@@ -99,6 +111,9 @@ class Settings:
                                  "(SQLite or PostgreSQL).", also="DATABASE_URL", group="where")
     model: str = _setting("MODEL", DEFAULT_MODEL, "Model name or path a worker serves and jobs default to.",
                           group="where")
+    served_model_name: str | None = _setting("SERVED_MODEL_NAME", None, "Other names requests may give this model "
+                                             "(comma-separated; vLLM's `--served-model-name`): an OpenAI file naming "
+                                             "`gpt-4o-mini` runs on it.", group="where")
     device: str = _setting("DEVICE", "cpu", "`cpu`, `cpu:N` (a CPU slot) or `cuda:N`.", group="where")
     queue: str | None = _setting("QUEUE", None, "Queue to use; unset: `gen.<model-slug>`.", group="where")
     # ---- the engine a worker builds
@@ -174,6 +189,11 @@ class Settings:
     @property
     def queue_name(self) -> str:
         return self.queue or queue_name(self.model)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """``served_model_name`` as a tuple of names."""
+        return split_names(self.served_model_name)
 
     @classmethod
     def resolve(cls, **given: Any) -> Settings:

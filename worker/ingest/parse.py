@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from worker.ingest.tables import BadRecord
 from worker.request.formats import BadLine, Request, length_error, parse_line
+from worker.request.table_rows import RowRecipe
 from worker.request.convert import fresh_seeds
 from worker.request.validate import Measure, token_count
 from worker.store.rows import job_row, new_ids
@@ -57,9 +59,16 @@ def chunked(items: Iterator[Any], first: int, size: int) -> Iterator[list[Any]]:
 
 
 def parse_chunk(lines: Sequence[tuple[int, Any]], *, model: str, priority: int,
-                count_tokens: CountTokens | None = None, max_model_len: int | None = None) -> list[Entry]:
-    """One entry per line, in order. Rows leave ``queue`` unset (the ingesting process names it)."""
-    items = [parse_line(raw, n, model=model) for n, raw in lines]
+                count_tokens: CountTokens | None = None, max_model_len: int | None = None,
+                served: Sequence[str] = (), recipe: RowRecipe | None = None) -> list[Entry]:
+    """One entry per line, in order. Rows leave ``queue`` unset (the ingesting process names it).
+    ``served``: other names lines may give the batch's model (``--served-model-name``). With a
+    ``recipe``, the lines are a table's rows (``worker.ingest.tables``), built by it."""
+    if recipe is None:
+        items = [parse_line(raw, n, model=model, served=served) for n, raw in lines]
+    else:
+        items = [BadLine(n, row.error, unit="row") if isinstance(row, BadRecord) else recipe.request(row, n)
+                 for n, row in lines]
     good = [x for x in items if isinstance(x, Request)]
     measures = (prompt_measures(count_tokens, good, max_model_len)
                 if count_tokens is not None and max_model_len is not None and good else None)

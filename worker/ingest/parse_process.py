@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Sequence
 
 from worker.ingest.parse import Entry, chunked, numbered_lines, parse_chunk
 
@@ -42,8 +42,9 @@ class ParseProcess:
     entries of the lines after ``after``."""
 
     def __init__(self, path: str | Path, *, model: str, priority: int, chunk: int,
-                 counter_model: str | None = None, max_model_len: int | None = None) -> None:
-        spec = {"path": str(path), "model": model, "priority": priority,
+                 counter_model: str | None = None, max_model_len: int | None = None,
+                 served: Sequence[str] = ()) -> None:
+        spec = {"path": str(path), "model": model, "priority": priority, "served": list(served),
                 "chunk": chunk, "parent": os.getpid(), "counter_model": counter_model, "max_model_len": max_model_len}
         self._stderr = tempfile.TemporaryFile()
         repo = str(Path(__file__).resolve().parents[1])
@@ -133,7 +134,7 @@ def run(spec: dict[str, Any], inp: IO[bytes], out: IO[bytes]) -> None:
     lines = ((n, raw) for n, raw in numbered_lines(spec["path"]) if n > start_after)
     for i, chunk in enumerate(chunked(lines, spec["chunk"], spec["chunk"])):
         entries = parse_chunk(chunk, model=spec["model"], priority=spec["priority"], count_tokens=count_tokens,
-                              max_model_len=spec["max_model_len"])
+                              max_model_len=spec["max_model_len"], served=spec["served"])
         pickle.dump(entries, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
         if i % 64 == 63:

@@ -31,6 +31,8 @@ import numpy as np
 from worker.request.formats import BadLine
 from worker.ingest.parse import GOOD, INVALID, CountTokens, Entry, chunked, numbered_lines, parse_chunk
 from worker.ingest.parse_process import ParseProcess
+from worker.ingest.tables import Table
+from worker.request.table_rows import RowRecipe
 from worker.store.rows import INSERT_CHUNK, job_row
 from worker.store.store import Store
 from worker.request.validate import TokenCounter
@@ -133,9 +135,14 @@ class Ingest:
         parse_in_child: bool = True,
         child_min_bytes: int = CHILD_MIN_BYTES,
         on_chunk: Callable[[IngestResult], None] | None = None,
+        served: Sequence[str] = (),
+        recipe: RowRecipe | None = None,
     ) -> None:
         self.store = store
         self.model = model
+        self.served = tuple(served)  # other names lines may give ``model`` (``--served-model-name``)
+        self.recipe = recipe  # a table source's rows -> requests (``worker.request.table_rows``)
+        self.unit = "row" if recipe is not None else "line"
         self.queue_for = queue_for
         self.priority = priority
         self.retry_failed = retry_failed
@@ -211,13 +218,21 @@ class Ingest:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _entries(self, source: str | Path | Iterable[Any], result: IngestResult) -> Iterator[list[Entry]]:
+    def _entries(self, source: str | Path | Iterable[Any] | Table, result: IngestResult) -> Iterator[list[Entry]]:
         """Each chunk's parsed entries, in file order: parsed here until the child (started
-        at once for a large enough file) is ready, then by the child."""
+        at once for a large enough file) is ready, then by the child. A ``Table``'s rows are
+        read a record batch at a time and built by the recipe."""
+        if isinstance(source, Table):
+            assert self.recipe is not None
+            rows = source.records(self.recipe.columns_used(source.column_names))
+            for chunk in chunked(rows, min(self.first_chunk, self.chunk), self.chunk):
+                yield self._parse(chunk)
+            return
         if self._child_can_parse(source):
             counter_model = self.count_tokens.model if self.count_tokens is not None else None  # type: ignore[attr-defined]
             self.parser = ParseProcess(source, model=self.model, priority=self.priority, chunk=self.chunk,
-                                       counter_model=counter_model, max_model_len=self.max_model_len)
+                                       counter_model=counter_model, max_model_len=self.max_model_len,
+                                       served=self.served)
         lines = numbered_lines(source)
         chunks = chunked(lines, min(self.first_chunk, self.chunk), self.chunk)
         for chunk in chunks:
@@ -244,7 +259,7 @@ class Ingest:
 
     def _parse(self, lines: Sequence[tuple[int, Any]]) -> list[Entry]:
         return parse_chunk(lines, model=self.model, priority=self.priority, count_tokens=self.count_tokens,
-                           max_model_len=self.max_model_len)
+                           max_model_len=self.max_model_len, served=self.served, recipe=self.recipe)
 
     def _wait_for_writer(self) -> None:
         pending, self._pending = self._pending, None
@@ -264,7 +279,8 @@ class Ingest:
         queues: dict[int, str] = {}
         for (line_no, cid, kind, value), first in zip(entries, firsts):
             if first and kind != INVALID:
-                bad.append(BadLine(line_no, f"duplicate custom_id {cid!r} (first on line {first})"))
+                bad.append(BadLine(line_no, f"duplicate custom_id {cid!r} (first on {self.unit} {first})",
+                                   unit=self.unit))
             elif kind == GOOD:
                 prio = value["priority"]
                 queue = queues.get(prio)
@@ -273,7 +289,7 @@ class Ingest:
                 value["queue"] = queue
                 rows.append(value)
             else:
-                bad.append(BadLine(line_no, value, None if first else cid))
+                bad.append(BadLine(line_no, value, None if first else cid, unit=self.unit))
         return rows, bad
 
     def _dedup(self, entries: list[Entry], batch_id: str) -> list[int]:

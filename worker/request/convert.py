@@ -31,11 +31,11 @@ OPENAI_SAMPLING_FIELDS = frozenset(
 def openai_sampling_params(fields: dict[str, Any], *, endpoint: Endpoint | None = None) -> SamplingParams:
     """``SamplingParams`` from OpenAI-named fields; ``null`` means "the default", as in OpenAI.
 
-    ``max_completion_tokens`` and the deprecated ``max_tokens`` mean the same limit: either one
-    is taken, both are fine when equal, and two different values are an error (never one
-    silently winning). ``logprobs`` is the endpoint's: chat's is a boolean with the number of
-    alternatives in ``top_logprobs``; completions' (and ``SamplingParams``', the default) is
-    that number itself.
+    ``max_completion_tokens`` and the deprecated ``max_tokens`` mean the same limit; when both
+    are given, ``max_completion_tokens`` wins (vLLM's rule: OpenAI's own files carry both, and
+    the newer name is the one OpenAI honours). ``logprobs`` is the endpoint's: chat's is a
+    boolean with the number of alternatives in ``top_logprobs``; completions' (and
+    ``SamplingParams``', the default) is that number itself.
     """
     given = {k: v for k, v in fields.items() if v is not None}
     _structured_outputs(given)
@@ -46,11 +46,8 @@ def openai_sampling_params(fields: dict[str, Any], *, endpoint: Endpoint | None 
     newer = given.pop("max_completion_tokens", None)
     if newer is not None:
         older = given.get("max_tokens")
-        if older is not None and (type(older) is not type(newer) or older != newer):
-            raise ValueError(
-                f"max_completion_tokens ({_brief(newer)}) and max_tokens ({_brief(older)}) differ; "
-                "give one (max_tokens is the older name of the same limit)"
-            )
+        if older is not None:
+            SamplingParams(max_tokens=older)  # the one it replaces is still checked: a bad value stays an error
         given["max_tokens"] = newer
     try:
         return SamplingParams.from_dict(given)

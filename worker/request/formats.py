@@ -10,13 +10,13 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams
 
-from worker.common.config import model_slug
+from worker.common.config import serves
 from worker.request.priority import parse_priority
 from worker.request.logprobs import chat_logprobs, completion_logprobs
 from worker.request.openai_fields import RULES, Endpoint, FieldError, sampling_fields
@@ -130,10 +130,11 @@ class BadLine:
     line_no: int
     error: str
     custom_id: str | None = None
+    unit: str = "line"  # "row" for a table's rows (1-based, the header not counted)
 
     @property
     def message(self) -> str:
-        return f"line {self.line_no}: {self.error}"
+        return f"{self.unit} {self.line_no}: {self.error}"
 
 
 def _pydantic_error(exc: ValidationError) -> str:
@@ -201,11 +202,14 @@ def _bad_json(text: str, line_no: int, exc: json.JSONDecodeError) -> BadLine:
     return BadLine(line_no, f"malformed JSON: {message}", custom_id)
 
 
-def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> Request | BadLine:
+def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None,
+               served: Sequence[str] = ()) -> Request | BadLine:
     """One line -> a ``Request`` or a ``BadLine`` naming the line and the field; never raises.
 
     With ``model`` (the batch's), a line naming another model is bad: it is never silently
-    served by this one. Names match by ``model_slug`` (``org/Name`` == ``name``).
+    served by this one, unless that name is one of ``served`` (vLLM's ``--served-model-name``:
+    an OpenAI file naming ``gpt-4o-mini`` runs on this model when the user says so). Names
+    match by ``model_slug`` (``org/Name`` == ``name``).
     """
     text = _decode(raw, line_no)
     if isinstance(text, BadLine):
@@ -263,8 +267,9 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None) -> R
         if stored_length(cid) > MAX_CUSTOM_ID:
             raise _FieldError(f"custom_id: longer than {MAX_CUSTOM_ID} characters as stored "
                               "(each NUL or backslash in an id with a NUL counts twice)")
-        if model is not None and req.model is not None and model_slug(req.model) != model_slug(model):
-            raise _FieldError(f"model: {req.model[:80]!r} is not this batch's model {model!r}")
+        if model is not None and req.model is not None and not serves(model, served, req.model):
+            raise _FieldError(f"model: {req.model[:80]!r} is not this batch's model {model!r} (to run it on "
+                              f"{model!r}, pass --served-model-name {req.model[:80]})")
     except ValidationError as exc:
         return BadLine(line_no, _pydantic_error(exc), custom_id)
     except (_FieldError, FieldError) as exc:
@@ -351,7 +356,7 @@ def _error_lines(job, base: dict[str, Any]) -> dict[str, Any]:
     body; anything else (generation failed, cancelled, attempts exhausted) is ``error``."""
     code = job.error_type or job.status
     message = job.error or job.status
-    if job.line_no is not None and not message.startswith("line "):
+    if job.line_no is not None and not message.startswith(("line ", "row ")):
         message = f"line {job.line_no}: {message}"
     if job.error_type in INVALID_ERROR_TYPES:
         body = {"error": {"message": message, "type": "invalid_request_error", "param": error_param(message),

@@ -84,7 +84,7 @@ _RULES = [
     FieldRule("model", BOTH, OV, "honoured", "must name the batch's model (compared by its last path part, case-insensitively), else the line is refused"),
     # -- sampling and stopping ----------------------------------------------------------
     FieldRule("max_tokens", BOTH, OV, "honoured", "clamped to the context left after the prompt; absent means 1024 (OpenAI's and vLLM's /v1/completions default is 16)"),
-    FieldRule("max_completion_tokens", BOTH, OV, "honoured", "the newer name of max_tokens (taken on /v1/completions too); both given must be equal"),
+    FieldRule("max_completion_tokens", BOTH, OV, "honoured", "the newer name of max_tokens (taken on /v1/completions too); when both are given it wins, as in vLLM"),
     FieldRule("temperature", BOTH, OV, "honoured", "[0, 2]; 0 is greedy"),
     FieldRule("top_p", BOTH, OV, "honoured", "(0, 1]"),
     FieldRule("n", BOTH, OV, "honoured", "1 to 128 samples, returned as that many choices"),

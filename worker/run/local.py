@@ -46,6 +46,8 @@ class LocalWorker:
             cmd += ["--broker-url", settings.broker_url]
         cmd += ["worker", "--device", settings.device, "--model", settings.model, "--queue", settings.queue_name,
                 "--loglevel", loglevel, "--name", self.node]
+        for name in settings.served_names:
+            cmd += ["--served-model-name", name]
         if settings.speculative:
             cmd += ["--speculative", settings.speculative]
         if settings.draft_model:

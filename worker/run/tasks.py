@@ -25,7 +25,7 @@ from celery.worker.control import control_command
 
 from . import runtime
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
-from worker.common.config import model_slug
+from worker.common.config import serves
 from worker.store.dbretry import with_db_retry
 from worker.request.logprobs import Pieces, pack
 from worker.store.models import FAILED, SUCCEEDED
@@ -214,7 +214,7 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
     (``Running``), or say at once what happened to it (failed as invalid or for the wrong model,
     given back) and the result columns written."""
     request_id = f"{job_id}#{attempt}"
-    if model_slug(job["model"]) != model_slug(rt.model):
+    if not serves(rt.model, rt.settings.served_names, job["model"]):
         with_db_retry("fail", lambda: store.fail(
             job_id, attempt, f"this worker serves {rt.model!r}, not {job['model']!r}", "wrong_model"),
             until_written=True)
