@@ -19,7 +19,7 @@ import torch
 
 import specbatch_kernels
 from engine.sequence import Sequence
-from specbatch_kernels.counter_rng import SAMPLE, keys_tensor, row_key
+from specbatch_kernels.counter_rng import SAMPLE, keys_tensor, row_key, sample_seed
 
 
 @dataclass(slots=True)
@@ -50,7 +50,9 @@ def seed_of(seq: Sequence) -> int:
 
 
 def noise_keys(rows: list[SampleRow], stream: int = SAMPLE) -> list[int]:
-    return [row_key(seed_of(row.seq), row.seq.index, row.position, stream) for row in rows]
+    """Each row's noise key: sample ``i`` of a request is keyed by its own seed
+    (``sample_seed``), so it draws the same tokens as a one-sample request with that seed."""
+    return [row_key(sample_seed(seed_of(row.seq), row.seq.index), 0, row.position, stream) for row in rows]
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:

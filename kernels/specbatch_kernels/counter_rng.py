@@ -37,6 +37,17 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded ``seed``: ``seed`` itself for the first,
+    a distinct 63-bit seed derived from both for the others. Samples are keyed by their own
+    seed (``row_key(sample_seed(seed, i), 0, ...)``), so a one-sample request seeded
+    ``sample_seed(seed, i)`` draws exactly sample ``i``'s tokens: each sample of ``n`` can be
+    recorded, and rerun, on its own."""
+    if index == 0:
+        return seed
+    return mix64(mix64(seed & MASK64) ^ mix64((index + 1) * GOLDEN)) >> 1
+
+
 def row_key(seed: int, index: int, position: int, stream: int = SAMPLE) -> int:
     """The 64-bit key of one (seed, sample index, absolute position, stream), as a signed int64."""
     k = mix64(seed & MASK64)

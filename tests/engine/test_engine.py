@@ -70,6 +70,20 @@ def test_n_samples_share_the_prompt_blocks(llm):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_each_of_n_samples_is_its_own_seeds_one_sample_request(llm):
+    """Sample i of a request seeded s draws what a one-sample request seeded sample_seed(s, i)
+    draws: the seed a table output records per sample reruns that sample alone."""
+    from engine.sampler import sample_seed
+
+    params = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    together = llm.generate(["hello world"], SamplingParams(n=3, seed=11, **params), use_tqdm=False)[0]
+    seeds = [sample_seed(11, i) for i in range(3)]
+    assert seeds[0] == 11 and len(set(seeds)) == 3 and all(0 <= s < 2**63 for s in seeds)
+    alone = llm.generate(["hello world"] * 3, [SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)
+    assert [c.token_ids for c in together.outputs] == [o.outputs[0].token_ids for o in alone]
+    assert len({tuple(c.token_ids) for c in together.outputs}) > 1
+
+
 def test_prefix_cache_hit_is_counted_and_gives_the_same_tokens(llm):
     prompt = "a long shared prefix for the prefix cache, a long shared prefix! " * 2
     params = SamplingParams(temperature=0, max_tokens=8)

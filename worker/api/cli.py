@@ -70,8 +70,9 @@ def _local_worker_log(settings: Settings) -> str:
 
 # ---- run -------------------------------------------------------------------------------
 @cli.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output JSONL (default: <file>.out.jsonl).")
+@click.argument("file", type=click.Path(exists=True))
+@click.option("-o", "--output", type=click.Path(),
+              help="Output file (default: <file>.out.jsonl; a table: <file>.out.<ext>, in its format by extension).")
 @click.option("--model", default=None, help="Model name or path (SPECBATCH_MODEL).")
 @click.option("--batch-name", default=None, help="Batch to create or resume (default: the file's path and model).")
 @click.option("--served-model-name", "served_model_name", multiple=True,
@@ -93,12 +94,34 @@ def _local_worker_log(settings: Settings) -> str:
 @click.option("--detach", is_flag=True,
               help="Write and publish the batch, then exit: workers run it; follow with `status`, "
                    "fetch with `export` (or run the same command again to wait and write the output).")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "csv", "tsv", "jsonl", "datasets"]), default=None,
+              help="FILE is a table in this format (default: from its extension; a folder is a Hugging Face dataset). "
+                   "A .jsonl FILE is OpenAI Batch lines unless a prompt is named (--prompt-column, --template).")
+@click.option("--prompt-column", default=None, help="A table's column holding the user message.")
+@click.option("--template", default=None,
+              help="A Jinja2 template over a table's columns for the user message ({{ question }}); @FILE reads it.")
+@click.option("--system", default=None, help="A system message for a table's rows: text or a Jinja2 template; @FILE reads it.")
+@click.option("--id-column", default=None, help="A table's row key that resume and dedup use (default: the row number).")
+@click.option("--keep", default=None, help="Input columns to keep in a table's output, comma-separated (default: all).")
+@click.option("--n", "n", type=click.IntRange(min=1), default=None, help="Samples per table row (completion_0..K-1).")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A table's answers are JSON for this schema; its top-level fields become typed columns.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="A table's output limit per row (a max_tokens column overrides it).")
+@click.option("--temperature", type=float, default=None,
+              help="A table's sampling temperature (a temperature column overrides it; 0 is greedy).")
 @click.pass_context
 def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, device, concurrency, max_num_seqs,
-        local_worker, timeout, speculative, draft_model, priority, max_in_flight, detach):
+        local_worker, timeout, speculative, draft_model, priority, max_in_flight, detach, fmt, prompt_column, template,
+        system, id_column, keep, n, json_schema, max_tokens, temperature):
     """Stream FILE into a batch (jobs start while it is read), follow progress, and write
-    the output file as results arrive (in input order; a rerun resumes it)."""
+    the output file as results arrive (in input order; a rerun resumes it).
+
+    FILE is OpenAI Batch JSONL, or a table (Parquet, CSV/TSV, JSONL records, a Hugging Face
+    dataset) whose rows become chat requests: a prompt column or a template over the columns.
+    A table's output is the same kind of table: its columns plus the completion and its figures."""
     _check_speculation(speculative, draft_model)
+    from worker.api.table_options import TableOptions
     from worker.ingest.thread import IngestThread
     from worker.request.validate import token_counter
 
@@ -107,10 +130,17 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
     if detach and not settings.broker_url:
         raise click.UsageError("--detach needs a broker that outlives this command (--broker-url or REDIS_URL): "
                                "the embedded Redis goes away when it exits")
+    path = Path(file).resolve()
+    try:
+        plan = TableOptions(fmt=fmt, prompt_column=prompt_column, template=template, system=system,
+                             id_column=id_column, keep=keep, n=n, json_schema=json_schema, max_tokens=max_tokens,
+                             temperature=temperature).open(path, output)
+    except ValueError as exc:  # a table or recipe that can never work: say so before anything starts
+        raise click.UsageError(str(exc)) from None
     client = _client(settings)
     settings = client.settings
-    path = Path(file).resolve()
-    name = batch_name or f"{path}@{settings.model}"
+    name = batch_name or (f"{path}@{settings.model}" if plan is None else
+                          f"{path}@{settings.model}#{plan.recipe.digest()}")
     console.print(f"broker {redact_url(settings.broker_url)}, database {redact_url(settings.database_url)}",
                   soft_wrap=True)  # never break a URL across lines
     with console.status(f"loading the tokenizer of {settings.model}"):
@@ -119,8 +149,10 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
         from worker.request.priority import parse_priority
 
         priority = parse_priority(priority)
+        table_args = {} if plan is None else {"recipe": plan.recipe, "format": plan.table.format}
         reader = IngestThread(client, path, name=name, retry_failed=retry_failed, count_tokens=counter,
-                              max_model_len=counter.max_model_len, priority=priority, max_in_flight=max_in_flight)
+                              max_model_len=counter.max_model_len, priority=priority, max_in_flight=max_in_flight,
+                              **table_args)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     started = time.time()
@@ -140,10 +172,14 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
             console.print(f"no worker on [bold]{settings.queue_name}[/]; starting one on {settings.device} (log: {log_path})")
             worker = LocalWorker(settings, concurrency=concurrency, max_num_seqs=max_num_seqs, log_path=log_path,
                                  loglevel=settings.worker_loglevel)
-        from worker.ingest.output import OutputFile
+        if plan is None:
+            from worker.ingest.output import OutputFile
 
-        out = Path(output) if output else path.with_suffix(".out.jsonl")
-        writer = OutputFile(out, client.store, first.batch_id, fresh=retry_failed)
+            out = Path(output) if output else path.with_suffix(".out.jsonl")
+            writer = OutputFile(out, client.store, first.batch_id, fresh=retry_failed)
+        else:
+            out = plan.output
+            writer = plan.writer(client.store, first.batch_id, fresh=retry_failed)
         sub = _follow(client, reader, writer, name, started, worker, timeout)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: jobs stay queued; rerun the same command to resume")
@@ -153,7 +189,7 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
             worker.stop()
     batch_id = sub.batch_id
     counts = client.store.refresh_batch(batch_id)
-    if writer.lines != sum(counts.values()):  # the file held another version of the input: write it anew
+    if writer.finish() != sum(counts.values()):  # the file held another version of the input: write it anew
         writer.rewrite()
     _print_summary(client.store, batch_id, started, out, writer.lines)
     unfinished = sum(counts.values()) - counts["succeeded"]

@@ -81,6 +81,11 @@ class OutputFile:
         finally:
             os.close(fd)
 
+    def finish(self) -> int:
+        """Append what is left; the lines the file holds."""
+        self.pump()
+        return self.lines
+
     def rewrite(self) -> int:
         """Write the whole file again from the store (e.g. the input changed between runs)."""
         self._truncate(0)

@@ -1,5 +1,6 @@
-"""The columns a table's results add beside its own: the completion (``completion_0..K-1`` for
-``--n K``), finish reasons, token counts, the seed, timings and the error, and with
+"""The columns a table's results add beside its own: the completion, its finish reason and
+seed (``completion_0..K-1``, ``seed_0..K-1`` for ``--n K``: each sample's own seed, which reruns
+it alone), token counts, timings and the error, and with
 ``--json-schema`` the answer's top-level fields as typed columns (objects as structs, arrays as
 lists; parts of a schema with no one type, such as ``anyOf``, as JSON text).
 
@@ -15,8 +16,7 @@ from typing import Any, Callable, Sequence
 import pyarrow as pa
 
 #: Columns every table output gets after the completion columns, with their types.
-FIXED = (("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("seed", pa.int64()),
-         ("queue_wait_s", pa.float64()), ("ttft_s", pa.float64()), ("tpot_s", pa.float64()),
+FIXED = (("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("queue_wait_s", pa.float64()), ("ttft_s", pa.float64()), ("tpot_s", pa.float64()),
          ("error", pa.string()))
 _SCALARS = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}
 
@@ -73,7 +73,7 @@ class ResultColumns:
                                              if isinstance(props, dict) else {})
         cols: list[tuple[str, pa.DataType]] = []
         for s in suffixes:
-            cols += [(f"completion{s}", pa.string()), (f"finish_reason{s}", pa.string())]
+            cols += [(f"completion{s}", pa.string()), (f"finish_reason{s}", pa.string()), (f"seed{s}", pa.int64())]
         for s in suffixes:
             cols += [(f"{name}{s}", t.arrow) for name, t in self.fields.items()]
         cols += list(FIXED)
@@ -86,20 +86,23 @@ class ResultColumns:
 
     def values(self, jobs: Sequence[Any]) -> dict[str, list[Any]]:
         """Each column's values for ``jobs`` (finished ``Job`` rows), as Python values."""
+        from engine.sampler import sample_seed  # the engine's own rule: one source of truth
+
         out: dict[str, list[Any]] = {name: [] for name in self.names}
         for job in jobs:
+            seed = (job.params or {}).get("seed")
             ok = job.status == "succeeded"
             samples = (job.outputs or [{"text": job.output_text or "", "finish_reason": job.finish_reason}]) if ok else []
             for i, s in enumerate(self.samples):
                 sample = samples[i] if i < len(samples) else None
                 out[f"completion{s}"].append(sample["text"] if sample else None)
                 out[f"finish_reason{s}"].append(sample.get("finish_reason") if sample else None)
+                out[f"seed{s}"].append(sample_seed(seed, i) if isinstance(seed, int) else None)
                 record = _record(sample["text"]) if sample and self.fields else None
                 for name, t in self.fields.items():
                     out[f"{name}{s}"].append(t.convert(record.get(name)) if isinstance(record, dict) else None)
             out["prompt_tokens"].append(job.num_prompt_tokens if ok else None)
             out["completion_tokens"].append(job.num_output_tokens if ok else None)
-            out["seed"].append((job.params or {}).get("seed"))
             out["queue_wait_s"].append(job.queue_wait_s)
             out["ttft_s"].append(job.ttft_s)
             out["tpot_s"].append(job.tpot_s)

@@ -63,6 +63,21 @@ def default_output(path: Path, input_format: str) -> Path:
     return path.with_name(f"{path.stem}.out{_SUFFIX[input_format] or path.suffix}")
 
 
+def kept_columns(table: Table, keep: Sequence[str] | None, results: ResultColumns) -> list[str]:
+    """The input columns the output keeps (``--keep``, default all); raises ``TableError`` for a
+    column the table lacks or one a result column would overwrite."""
+    kept = list(keep) if keep is not None else list(table.column_names)
+    missing = [c for c in kept if c not in table.column_names]
+    if missing:
+        raise TableError(f"--keep: column {missing[0]!r} is not in the table (its columns: "
+                         f"{', '.join(table.column_names)})")
+    clash = [c for c in kept if c in results.names]
+    if clash:
+        raise TableError(f"the table's column {clash[0]!r} is also a result column; keep the others with "
+                         f"--keep (result columns: {', '.join(results.names)})")
+    return kept
+
+
 class TableOutput:
     """Appends a table batch's finished rows to its output file, in order (see the module)."""
 
@@ -72,15 +87,7 @@ class TableOutput:
         self.path = Path(path)
         self.format = output_format(self.path, table.format)
         self.store, self.batch_id, self.table, self.results = store, batch_id, table, results
-        self.keep = list(keep) if keep is not None else table.column_names
-        missing = [c for c in self.keep if c not in table.column_names]
-        if missing:
-            raise TableError(f"--keep: column {missing[0]!r} is not in the table (its columns: "
-                             f"{', '.join(table.column_names)})")
-        clash = [c for c in self.keep if c in results.names]
-        if clash:
-            raise TableError(f"the table's column {clash[0]!r} is also a result column; keep the others with "
-                             f"--keep (result columns: {', '.join(results.names)})")
+        self.keep = kept_columns(table, keep, results)
         self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
         self.lines = 0  # rows written
         self.after: tuple[int, str] | None = None

@@ -39,7 +39,7 @@ def _finalize(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RowRecipe:
     """How a table row becomes a chat request (JSON-serialisable: a parsing process gets it as is).
 
