@@ -32,9 +32,9 @@ def _pg_available() -> bool:
         return False
 
 
-@pytest.fixture
-def pg_url():
-    """A PostgreSQL URL whose ``search_path`` is a schema made for this test (dropped after)."""
+@contextmanager
+def pg_schema() -> Iterator[str]:
+    """A PostgreSQL URL whose ``search_path`` is a schema made for the caller (dropped after)."""
     if not _pg_available():
         # CI and this project's machines run PostgreSQL: its absence is a failure, unless the
         # person running the tests says explicitly that they have none.
@@ -50,6 +50,23 @@ def pg_url():
     yield f"{PG_URL}?options=-csearch_path%3D{schema}"
     with psycopg.connect(plain, autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.fixture
+def pg_url():
+    """A PostgreSQL URL whose ``search_path`` is a schema made for this test (dropped after)."""
+    with pg_schema() as url:
+        yield url
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def module_db_url(request, tmp_path_factory):
+    """``db_url`` held for a whole module (its module-scoped worker)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'specbatch.db'}"
+        return
+    with pg_schema() as url:
+        yield url
 
 
 @pytest.fixture

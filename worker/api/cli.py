@@ -137,6 +137,7 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
                              temperature=temperature).open(path, output)
     except ValueError as exc:  # a table or recipe that can never work: say so before anything starts
         raise click.UsageError(str(exc)) from None
+    unit = "line" if plan is None else "row"
     client = _client(settings)
     settings = client.settings
     name = batch_name or (f"{path}@{settings.model}" if plan is None else
@@ -161,7 +162,7 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
         first = reader.first_chunk()  # written and its first jobs published
         if detach:
             sub = reader.join()
-            _print_ingested(sub, name)
+            _print_ingested(sub, name, unit)
             console.print(f"detached: follow with `specbatch status {sub.batch_id}`, "
                           f"fetch with `specbatch export {sub.batch_id}`", soft_wrap=True)
             return
@@ -179,8 +180,9 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
             writer = OutputFile(out, client.store, first.batch_id, fresh=retry_failed)
         else:
             out = plan.output
-            writer = plan.writer(client.store, first.batch_id, fresh=retry_failed)
-        sub = _follow(client, reader, writer, name, started, worker, timeout)
+            writer = plan.writer(client.store, first.batch_id, fresh=retry_failed,
+                                 flush_rows=settings.table_flush_rows, flush_seconds=settings.table_flush_seconds)
+        sub = _follow(client, reader, writer, name, started, worker, timeout, unit)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: jobs stay queued; rerun the same command to resume")
         raise SystemExit(130)
@@ -191,16 +193,16 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
     counts = client.store.refresh_batch(batch_id)
     if writer.finish() != sum(counts.values()):  # the file held another version of the input: write it anew
         writer.rewrite()
-    _print_summary(client.store, batch_id, started, out, writer.lines)
+    _print_summary(client.store, batch_id, started, out, writer.lines, unit)
     unfinished = sum(counts.values()) - counts["succeeded"]
     if unfinished:
         # Each has its error line in the output file: they have a result, an error one.
-        console.print(f"[red]{unfinished} line(s) failed[/]" + (f" (error lines in {out})" if out else "") + ":",
+        console.print(f"[red]{unfinished} {unit}(s) failed[/]" + (f" (error {unit}s in {out})" if out else "") + ":",
                       soft_wrap=True)
         from itertools import islice
 
         for j in islice(client.store.iter_jobs(batch_id, statuses=("failed", "cancelled"), page=20), 20):
-            where = "" if (j.error or "").startswith(("line ", "row ")) else f"line {j.line_no}: "
+            where = "" if (j.error or "").startswith(("line ", "row ")) else f"{unit} {j.line_no}: "
             named = f" [dim]({j.custom_id})[/]" if j.custom_id is not None else ""
             console.print(f"  {where}{j.error}{named}", soft_wrap=True)
         if unfinished > 20:
@@ -208,19 +210,20 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
         raise SystemExit(1)
 
 
-def _print_ingested(sub, name: str) -> None:
+def _print_ingested(sub, name: str, unit: str = "line") -> None:
     r = sub.ingest
     console.print(
-        f"batch [bold]{sub.batch_id}[/] ({name}): {sub.num_good} good lines, {sub.num_bad} bad; "
+        f"batch [bold]{sub.batch_id}[/] ({name}): {sub.num_good} good {unit}s, {sub.num_bad} bad; "
         f"enqueued {r.enqueued} (published {sub.published} so far), "
         f"already succeeded {r.skipped_succeeded}, kept failed {r.skipped_failed}"
     )
-    rate = f" ({r.num_lines / r.seconds:,.0f} lines/s)" if r.seconds > 0 else ""
+    rate = f" ({r.num_lines / r.seconds:,.0f} {unit}s/s)" if r.seconds > 0 else ""
     first = f"; first chunk in {r.first_chunk_s:.2f} s" if r.first_chunk_s is not None else ""
-    console.print(f"read {r.num_lines:,} lines in {r.seconds:.1f} s{rate}{first}", soft_wrap=True)
+    console.print(f"read {r.num_lines:,} {unit}s in {r.seconds:.1f} s{rate}{first}",
+                  soft_wrap=True)
 
 
-def _follow(client, reader, writer, name: str, started: float, worker, timeout: float | None):
+def _follow(client, reader, writer, name: str, started: float, worker, timeout: float | None, unit: str = "line"):
     """Show progress and append results to the output file until the input is read and the
     batch is done. Recovery needs nobody here: workers reap dead workers' jobs themselves; the
     local worker, if any, is restarted as a supervisor would. Each poll reads counts (and the
@@ -237,14 +240,14 @@ def _follow(client, reader, writer, name: str, started: float, worker, timeout: 
             t0 = time.perf_counter()
             if sub is None and not reader.running:
                 sub = reader.join()  # raises what the reader raised
-                _print_ingested(sub, name)
+                _print_ingested(sub, name, unit)
                 bar.update(task, description="generating")
             prog = store.batch_progress(batch_id)
             done = prog["succeeded"] + prog["failed"] + prog["cancelled"]
             window = (prog["last_finished"] or 0) - max(prog["first_started"] or started, started)
             tps = f"{prog['output_tokens'] / window:.0f}" if window > 0 else "-"
             if sub is None:
-                bar.update(task, description=f"reading ({reader.lines_read:,} lines) + generating")
+                bar.update(task, description=f"reading ({reader.lines_read:,} {unit}s) + generating")
             bar.update(task, completed=done, failed=prog["failed"], tps=tps,
                        total=done + prog["queued"] + prog["running"] if sub is not None else None)
             writer.pump()
@@ -275,7 +278,8 @@ def _keep_local_worker(worker) -> bool:
         raise click.ClickException(str(exc)) from None
 
 
-def _print_summary(store, batch_id: str, started: float, out: Path | None, n_lines: int | None) -> None:
+def _print_summary(store, batch_id: str, started: float, out: Path | None, n_lines: int | None,
+                   unit: str = "line") -> None:
     """Figures of the jobs this run finished (else of the whole batch), read column-wise in
     chunks: never every row at once."""
     from worker.api.summary import SUMMARY_COLUMNS, Summary
@@ -292,7 +296,7 @@ def _print_summary(store, batch_id: str, started: float, out: Path | None, n_lin
     # Every line of the input, as the progress bar counts them (bad lines included); the
     # figures below are of the jobs this run finished.
     lines = whole.result()["by_status"]
-    table.add_row("lines", " ".join(f"{k} {v}" for k, v in sorted(lines.items())) or "0")
+    table.add_row(f"{unit}s", " ".join(f"{k} {v}" for k, v in sorted(lines.items())) or "0")
     table.add_row("output tokens", f"{s['output_tokens']} in {_fmt(s['wall_s'], ' s', digits=2)}")
     table.add_row("throughput", f"{_fmt(s['tokens_per_s'], ' tok/s')}  {_fmt(s['jobs_per_s'], ' jobs/s', digits=2)}")
     table.add_row("queue wait p50 / p95", f"{_fmt(s['queue_wait_p50'], ' ms', 1e3)} / {_fmt(s['queue_wait_p95'], ' ms', 1e3)}")
@@ -301,7 +305,7 @@ def _print_summary(store, batch_id: str, started: float, out: Path | None, n_lin
     table.add_row("draft acceptance", _fmt(s["acceptance_rate"], " %", 100))
     table.add_row("max batch size", str(s["max_batch_size"]))
     if out is not None:
-        table.add_row("output", f"{out} ({n_lines} lines)")
+        table.add_row("output", f"{out} ({n_lines} {unit}s)")
     console.print(table)
 
 

@@ -35,8 +35,9 @@ class TablePlan:
     keep: list[str] | None
     output: Path
 
-    def writer(self, store: Any, batch_id: str, *, fresh: bool) -> TableOutput:
-        return TableOutput(self.output, store, batch_id, self.table, self.results, keep=self.keep, fresh=fresh)
+    def writer(self, store: Any, batch_id: str, *, fresh: bool, flush_rows: int, flush_seconds: float) -> TableOutput:
+        return TableOutput(self.output, store, batch_id, self.table, self.results, keep=self.keep, fresh=fresh,
+                           flush_rows=flush_rows, flush_seconds=flush_seconds)
 
 
 @dataclass(frozen=True)

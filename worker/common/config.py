@@ -183,6 +183,10 @@ class Settings:
                                     "lost messages.", float, group="queue")
     orphan_grace_seconds: float = _setting("ORPHAN_GRACE_SECONDS", 60.0, "A queued job published longer ago than "
                                            "this and missing from Redis is published again.", float, group="queue")
+    table_flush_rows: int = _setting("TABLE_FLUSH_ROWS", 10_000, "A table output (Parquet, CSV, a dataset) writes "
+                                     "a row group once this many finished rows wait.", int, group="queue")
+    table_flush_seconds: float = _setting("TABLE_FLUSH_SECONDS", 5.0, "… or this many seconds after its last one: "
+                                          "what a killed run has already written.", float, group="queue")
     auto_migrate: bool = _setting("AUTO_MIGRATE", False, "`1`: PostgreSQL stores upgrade their schema on open "
                                   "(SQLite always does).", bool, group="queue")
 

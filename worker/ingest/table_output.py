@@ -35,9 +35,6 @@ from worker.store.store import Store
 
 OUTPUT_FORMATS = ("parquet", "csv", "tsv", "jsonl", "datasets")
 _SUFFIX = {"parquet": ".parquet", "csv": ".csv", "tsv": ".tsv", "jsonl": ".jsonl", "datasets": ""}
-#: A row group is written once this many rows wait, or FLUSH_SECONDS after the last one.
-FLUSH_ROWS = 10_000
-FLUSH_SECONDS = 5.0
 
 
 def output_format(path: Path, input_format: str) -> str:
@@ -50,7 +47,7 @@ def output_format(path: Path, input_format: str) -> str:
         return "parquet"
     if suffix in (".json", ".ndjson"):
         return "jsonl"
-    if not suffix:
+    if not suffix or input_format == "datasets":  # a folder: a dataset's own name (``reviews.out``) included
         return "datasets"
     raise TableError(f"{path.name}: no output format for the extension {suffix!r} "
                      f"({', '.join(e for e in _SUFFIX.values() if e)}, or a folder for a dataset)")
@@ -82,8 +79,10 @@ class TableOutput:
     """Appends a table batch's finished rows to its output file, in order (see the module)."""
 
     def __init__(self, path: str | Path, store: Store, batch_id: str, table: Table, results: ResultColumns, *,
-                 keep: Sequence[str] | None = None, fresh: bool = False, flush_rows: int = FLUSH_ROWS,
-                 flush_seconds: float = FLUSH_SECONDS) -> None:
+                 flush_rows: int, flush_seconds: float, keep: Sequence[str] | None = None,
+                 fresh: bool = False) -> None:
+        """A row group is written once ``flush_rows`` finished rows wait, or ``flush_seconds``
+        after the last one (``SPECBATCH_TABLE_FLUSH_*``)."""
         self.path = Path(path)
         self.format = output_format(self.path, table.format)
         self.store, self.batch_id, self.table, self.results = store, batch_id, table, results
@@ -234,6 +233,8 @@ class TableOutput:
             tables = [self._arrow(inp, vals) for inp, vals in pending]
             self._write_arrow(pa.concat_tables(tables))
         self.lines += rows
+        if self.format in ("csv", "tsv"):
+            self._mark()  # rows and bytes written, together: where a rerun goes on
         self._last_flush = time.monotonic()
         self.peak_rss_kib = max(self.peak_rss_kib, _rss_kib())
 
@@ -253,7 +254,6 @@ class TableOutput:
             os.replace(tmp, final)
         elif self.format in ("csv", "tsv"):
             _append(self.path, _csv_bytes(_csv_ready(table, self.results), self.format, header=False))
-            self._mark()
 
     def _mark(self) -> None:
         tmp = self.progress.with_suffix(".tmp")

@@ -130,9 +130,12 @@ class RowRecipe:
             if stored_length(custom_id) > MAX_CUSTOM_ID:
                 return _bad(row_no, f"{self.id_column}: an id longer than {MAX_CUSTOM_ID} characters", None)
         template, system = self._templates
+        # A null cell is no value: a template that uses it fails its row (StrictUndefined), as a
+        # missing key does, rather than printing "None" (or "NONE" through a filter).
+        values = {k: v for k, v in row.items() if v is not None}
         try:
             if template is not None:
-                user = template.render(row)
+                user = template.render(values)
             else:
                 user = row.get(self.prompt_column)
                 if user is None:
@@ -140,9 +143,9 @@ class RowRecipe:
                 if not isinstance(user, str):
                     return _bad(row_no, f"{self.prompt_column}: the prompt must be text, got "
                                         f"{type(user).__name__}", custom_id)
-            system_text = system.render(row) if system is not None else None
+            system_text = system.render(values) if system is not None else None
         except jinja2.UndefinedError as exc:
-            return _bad(row_no, f"template: {exc.message}", custom_id)
+            return _bad(row_no, f"template: {exc.message} (a column null or missing in this row)", custom_id)
         except Exception as exc:  # a template's own error (a filter on the wrong type, a division by zero)
             return _bad(row_no, f"template: {type(exc).__name__}: {exc}"[:300], custom_id)
         if not user:
