@@ -15,7 +15,13 @@ For each database, on a fresh one:
    from the command's start to the earliest ``started_at`` in the batch (goal <= 5 s).
 
     python -m bench.ingest [--lines 1000000] [--small 10000] [--db sqlite,postgresql]
-                           [--out bench/results/ingest-cpu.txt]
+                           [--format jsonl|parquet] [--out bench/results/ingest-cpu.txt]
+
+``--format parquet``: the same prompts as a Parquet table (columns ``id``, ``topic``, ``n``),
+each row's user message built by a template over two columns (``--template``); then the
+output: every job marked finished in the store (generation is not what is measured), and the
+same command run again, which finds every row succeeded and writes ``<file>.out.parquet``:
+its wall time and the peak RSS of the writing process, 1M rows against 10k (flat memory).
 """
 
 from __future__ import annotations
@@ -50,6 +56,26 @@ def write_prompts(path: Path, n: int) -> None:
                                  "body": {"max_tokens": 1, "messages": [
                                      {"role": "user", "content": f"One word about {TOPICS[i % len(TOPICS)]} (#{i})."}]}})
                      + "\n")
+
+
+TEMPLATE = "One word about {{ topic }} (#{{ n }})."
+
+
+def write_table(path: Path, n: int) -> None:
+    """The prompts of ``write_prompts`` as a Parquet table, built by ``TEMPLATE`` from two columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(path, pa.schema([("id", pa.string()), ("topic", pa.string()), ("n", pa.int64())])) as w:
+        for start in range(0, n, 65_536):
+            idx = range(start, min(n, start + 65_536))
+            w.write_table(pa.table({"id": [f"request-{i}" for i in idx], "topic": [TOPICS[i % len(TOPICS)] for i in idx],
+                                    "n": pa.array(list(idx), pa.int64())}))
+
+
+def table_flags(src: Path) -> list[str]:
+    """``specbatch run`` flags of a table input (none for Batch JSONL)."""
+    return ["--template", TEMPLATE, "--id-column", "id", "--max-tokens", "1"] if src.suffix == ".parquet" else []
 
 
 class Database:
@@ -123,14 +149,17 @@ class RedisServer:
         self.proc.wait()
 
 
-def run_ingest(db: Database, broker: str, queue: str, src: Path, model: str) -> dict:
-    """One ``specbatch run --detach``: wall seconds, peak RSS (MiB) and the CLI's own figures."""
+def run_ingest(db: Database, broker: str, queue: str, src: Path, model: str, *, name: str | None = None,
+               detach: bool = True) -> dict:
+    """One ``specbatch run --detach``: wall seconds, peak RSS (MiB) and the CLI's own figures.
+    ``detach=False`` with a batch whose rows all succeeded: the run that writes the output."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPECBATCH_QUEUE=queue, COLUMNS="200")
-    log = src.with_suffix(f".{db.kind}.log")
+    log = src.with_suffix(f".{db.kind}.{'ingest' if detach else 'output'}.log")
     cpu0 = machine_cpu()
     t0 = time.perf_counter()
-    proc = cli(["--broker-url", broker, "--database-url", db.url, "run", str(src), "--detach", "--no-local-worker",
-                "--model", model, "--batch-name", f"{src.name}-{uuid.uuid4().hex[:6]}"], env, log)
+    proc = cli(["--broker-url", broker, "--database-url", db.url, "run", str(src), *(["--detach"] if detach else []),
+                "--no-local-worker", "--model", model, "--batch-name", name or f"{src.name}-{uuid.uuid4().hex[:6]}",
+                *table_flags(src)], env, log)
     status, usage, peak_kib = wait_with_peak_rss(proc.pid)
     wall = time.perf_counter() - t0
     cpu1 = machine_cpu()
@@ -138,7 +167,7 @@ def run_ingest(db: Database, broker: str, queue: str, src: Path, model: str) -> 
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"specbatch run exited {proc.returncode}:\n{text[-3000:]}")
-    m = re.search(r"read ([\d,]+) lines in ([\d.]+) s .*?first chunk in ([\d.]+) s", text)
+    m = re.search(r"read ([\d,]+) (?:lines|rows) in ([\d.]+) s .*?first chunk in ([\d.]+) s", text)
     batch = re.search(r"batch (\w+) ", text).group(1)
     busy, steal = (cpu1[0] - cpu0[0]), (cpu1[1] - cpu0[1])
     return {"wall_s": wall, "rss_mib": peak_kib / 1024, "lines": int(m.group(1).replace(",", "")),
@@ -205,7 +234,8 @@ def first_claim(db: Database, broker: str, src: Path, tmp: Path) -> dict:
         store = Store(db.url)
         t_cmd = time.time()
         proc = cli(["--broker-url", broker, "--database-url", db.url, "run", str(src), "--no-local-worker",
-                    "--model", model, "--batch-name", f"first-{uuid.uuid4().hex[:6]}"], env, tmp / "first-claim.log")
+                    "--model", model, "--batch-name", f"first-{uuid.uuid4().hex[:6]}", *table_flags(src)], env,
+                   tmp / "first-claim.log")
         claimed = None
         deadline = time.monotonic() + 120
         while claimed is None and time.monotonic() < deadline:
@@ -240,27 +270,30 @@ def bench_db(kind: str, tmp: Path, server: RedisServer, small: Path, big: Path, 
     try:
         if args.first_claim_only:
             return report_first_claim(db, broker, big, tmp, args, say)
-        s = run_ingest(db, broker, queue, small, MODEL)
+        names = {small: f"{small.name}-{uuid.uuid4().hex[:6]}", big: f"{big.name}-{uuid.uuid4().hex[:6]}"}
+        s = run_ingest(db, broker, queue, small, MODEL, name=names[small])
         r.delete(*lanes)
         before = redis_used(r)
-        b = run_ingest(db, broker, queue, big, MODEL)
+        b = run_ingest(db, broker, queue, big, MODEL, name=names[big])
         after = redis_used(r)
         in_redis = r.llen(queue)
         key_bytes = sum(r.memory_usage(k, samples=0) or 0 for k in lanes if r.exists(k))
         sample = r.lrange(queue, 0, 99)
         msg_len = sum(map(len, sample)) / max(len(sample), 1)
         body_len = sum(len(json.loads(m)["body"]) for m in sample) / max(len(sample), 1)
-        for label, x in ((f"{args.small:,} lines", s), (f"{args.lines:,} lines", b)):
-            say(f"{label:>17}: {x['lines'] / x['wall_s']:8,.0f} lines/s end to end ({x['wall_s']:.1f} s command, "
-                f"ingest proper {x['lines'] / x['ingest_s']:,.0f} lines/s in {x['ingest_s']:.1f} s); "
+        unit = "rows" if args.format == "parquet" else "lines"
+        for label, x in ((f"{args.small:,} {unit}", s), (f"{args.lines:,} {unit}", b)):
+            say(f"{label:>17}: {x['lines'] / x['wall_s']:8,.0f} {unit}/s end to end ({x['wall_s']:.1f} s command, "
+                f"ingest proper {x['lines'] / x['ingest_s']:,.0f} {unit}/s in {x['ingest_s']:.1f} s); "
                 f"first chunk in {x['first_chunk_s']:.2f} s; peak RSS {x['rss_mib']:.0f} MiB")
             say(f"{'':>17}  CPU: the CLI {x['cli_cpu_s'] / x['lines'] * 1e6:.0f} us a line, the whole machine "
                 f"{x['machine_busy_s'] / x['lines'] * 1e6:.0f} us a line (database, Redis, CLI); "
                 f"{x['steal_s'] / max(x['wall_s'], 1e-9) / (os.cpu_count() or 1) * 100:.0f}% of the cores' time "
                 "stolen by the hypervisor")
-        say(f"peak RSS {args.lines:,} / {args.small:,} lines: {b['rss_mib'] / s['rss_mib']:.2f}x (goal <= 1.2x)")
+        say(f"peak RSS {args.lines:,} / {args.small:,} {unit}: {b['rss_mib'] / s['rss_mib']:.2f}x (goal <= 1.2x)")
         rate = b["lines"] / b["wall_s"]
-        say(f"ingest end to end: {rate:,.0f} lines/s (goal >= 10,000: {'met' if rate >= 10_000 else 'NOT met'})")
+        goal = 20_000 if args.format == "parquet" else 10_000
+        say(f"ingest end to end: {rate:,.0f} {unit}/s (goal >= {goal:,}: {'met' if rate >= goal else 'NOT met'})")
         delta = after - before
         say(f"Redis: used_memory +{delta / 1024:.0f} KiB with {b['lines']:,} jobs queued = {delta / b['lines']:.2f} "
             f"bytes per queued job (goal <= 300); {in_redis} messages in Redis (the pacing window; the rest wait "
@@ -268,10 +301,49 @@ def bench_db(kind: str, tmp: Path, server: RedisServer, small: Path, big: Path, 
             f"a message is {msg_len:.0f} bytes of JSON, {body_len:.0f} of them the base64 body: the job ids "
             "only)")
         r.delete(*lanes)
+        if args.format == "parquet":
+            report_table_output(db, broker, queue, (small, big), names, (s, b), say)
         if not args.no_first_claim:
             report_first_claim(db, broker, big, tmp, args, say)
     finally:
         db.drop()
+
+
+def finish_all(db: Database, batch_id: str) -> None:
+    """Every queued job of the batch marked succeeded with a one-word answer: the output side
+    is measured on its own (generating a million completions is not what this bench times)."""
+    from sqlalchemy import update
+
+    from worker.store.models import Job
+    from worker.store.store import Store
+
+    store = Store(db.url)
+    now = time.time()
+    with store.engine.begin() as conn:
+        conn.execute(update(Job).where(Job.batch_id == batch_id, Job.status == "queued").values(
+            status="succeeded", output_text="word", finish_reason="stop", num_output_tokens=1, attempts=1,
+            started_at=now, finished_at=now, ttft_s=0.01, queue_wait_s=0.5))
+    store.refresh_batch(batch_id)
+    store.dispose()
+
+
+def report_table_output(db: Database, broker: str, queue: str, srcs, names, ingests, say) -> None:
+    """The same command again once every row succeeded: it writes ``<file>.out.parquet``."""
+    import pyarrow.parquet as pq
+
+    outs = []
+    for src, ingest in zip(srcs, ingests):
+        finish_all(db, ingest["batch"])
+        out = src.with_name(f"{src.stem}.out.parquet")
+        out.unlink(missing_ok=True)
+        x = run_ingest(db, broker, queue, src, MODEL, name=names[src], detach=False)
+        meta = pq.ParquetFile(out).metadata
+        say(f"{meta.num_rows:>10,} rows out: {x['wall_s']:.1f} s command (ingest pass {x['ingest_s']:.1f} s, every "
+            f"row already succeeded), {meta.num_row_groups} row groups, {out.stat().st_size / 1e6:.1f} MB; "
+            f"peak RSS of the writing run {x['rss_mib']:.0f} MiB")
+        outs.append(x)
+    say(f"output writer peak RSS {srcs[1].stem} / {srcs[0].stem}: {outs[1]['rss_mib'] / outs[0]['rss_mib']:.2f}x "
+        "(flat memory: goal <= 1.2x)")
 
 
 def report_first_claim(db: Database, broker: str, big: Path, tmp: Path, args, say) -> None:
@@ -286,6 +358,8 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=10_000)
     ap.add_argument("--db", default="sqlite,postgresql")
     ap.add_argument("--out", default=None, help="Also write the report here.")
+    ap.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
+                    help="Batch JSONL lines, or a Parquet table with a template over two columns.")
     ap.add_argument("--no-first-claim", action="store_true", help="Skip the time-to-first-claim run.")
     ap.add_argument("--first-claim-only", action="store_true", help="Only the time-to-first-claim run.")
     args = ap.parse_args()
@@ -298,11 +372,15 @@ def main() -> None:
         report.append(line)
 
     tmp = Path(tempfile.mkdtemp(prefix="specbatch-ingest-"))
-    small, big = tmp / f"prompts-{args.small}.jsonl", tmp / f"prompts-{args.lines}.jsonl"
+    ext = "parquet" if args.format == "parquet" else "jsonl"
+    small, big = tmp / f"prompts-{args.small}.{ext}", tmp / f"prompts-{args.lines}.{ext}"
     t0 = time.perf_counter()
-    write_prompts(small, args.small)
-    write_prompts(big, args.lines)
-    say(f"input: {args.lines:,} one-line chat prompts, {big.stat().st_size / 1e6:.0f} MB "
+    write = write_table if args.format == "parquet" else write_prompts
+    write(small, args.small)
+    write(big, args.lines)
+    what = (f"a Parquet table of prompts (template {TEMPLATE!r} over two columns)" if args.format == "parquet"
+            else "one-line chat prompts")
+    say(f"input: {args.lines:,} {what}, {big.stat().st_size / 1e6:.0f} MB "
         f"(written in {time.perf_counter() - t0:.1f} s); model {MODEL}'s tokenizer counts every prompt")
     server = RedisServer(tmp)
     say(f"Redis {server.version()}: a server of the bench's own at {server.url}")

@@ -297,6 +297,46 @@ def test_a_file_parsed_in_a_child_process_gives_the_jobs_parsed_in_process(produ
     assert [(b.line_no, b.error) for b in child.bad_lines] == [(b.line_no, b.error) for b in here.bad_lines]
 
 
+def test_a_table_parsed_in_a_child_process_gives_the_jobs_parsed_in_process(producer, tiny_model_dir, tmp_path):
+    """A Parquet table's rows go through the same hand-over: the child builds the rest with the
+    same recipe (template, id column, per-row sampling columns), errors and duplicates alike."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from worker.ingest.tables import Table
+    from worker.request.table_rows import RowRecipe
+    from worker.request.validate import TokenCounter
+
+    n = 700
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "key": [f"k{i - 1}" if i % 101 == 0 else f"k{i}" for i in range(1, n + 1)],  # duplicates
+        "topic": [None if i % 31 == 0 else "word " * (40 if i % 23 == 0 else 1) for i in range(1, n + 1)],
+        "max_tokens": pa.array([-1 if i % 29 == 0 else i % 7 + 1 for i in range(1, n + 1)], pa.int64()),
+    }), src, row_group_size=64)
+    recipe = RowRecipe(template="About {{ topic }}", id_column="key", params={"temperature": 0.5})
+    kw = dict(count_tokens=TokenCounter(tiny_model_dir), max_model_len=24, first_chunk=50, recipe=recipe)
+    child = _ingest(producer, chunk=100, child_min_bytes=0, on_chunk=lambda result: _child_started(ingest), **kw)
+    ingest = child
+    child = child.run(Table(src), name="child", input_file=None)
+    here = _ingest(producer, chunk=100, parse_in_child=False, **kw).run(Table(src), name="here", input_file=None)
+    assert 400 < child.parsed_in_child < n and here.parsed_in_child == 0
+
+    def jobs(batch_id):
+        out = {}
+        for j in producer.store.jobs(batch_id):
+            params = dict(j.params)
+            assert j.status == FAILED or isinstance(params.pop("seed"), int)
+            out[j.line_no] = (j.custom_id, j.status, j.error, j.messages, params, j.prompt_tokens)
+        return out
+
+    got, want = jobs(child.batch_id), jobs(here.batch_id)
+    assert got == want and len(got) == n
+    errors = [e for (_, status, e, *_rest) in got.values() if status == FAILED]
+    for kind in ("duplicate custom_id", "over the model's context", "max_tokens must be at least 1", "undefined"):
+        assert any(kind in e for e in errors), kind
+
+
 def test_a_parsing_process_killed_before_it_is_ready_leaves_the_file_to_the_parent(producer, tmp_path, caplog):
     """SIGKILL to the child while it starts: the parent parses the whole file itself, says so."""
     import signal

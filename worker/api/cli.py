@@ -243,6 +243,7 @@ def _follow(client, reader, writer, name: str, started: float, worker, timeout: 
                 _print_ingested(sub, name, unit)
                 bar.update(task, description="generating")
             prog = store.batch_progress(batch_id)
+            polled = time.perf_counter() - t0  # what the counts cost: the wait below scales with it
             done = prog["succeeded"] + prog["failed"] + prog["cancelled"]
             window = (prog["last_finished"] or 0) - max(prog["first_started"] or started, started)
             tps = f"{prog['output_tokens'] / window:.0f}" if window > 0 else "-"
@@ -265,7 +266,7 @@ def _follow(client, reader, writer, name: str, started: float, worker, timeout: 
                                   f"restarted ({worker.restarts}); see {worker.log_path}", soft_wrap=True)
             if timeout is not None and time.time() - started > timeout:
                 raise click.ClickException(f"timed out after {timeout} s with {prog['queued'] + prog['running']} jobs left")
-            time.sleep(max(0.25, 4 * (time.perf_counter() - t0)))  # a slow poll (a huge batch) waits longer
+            time.sleep(max(0.25, 4 * polled))  # a slow count (a huge batch) waits longer; writing never does
 
 
 def _keep_local_worker(worker) -> bool:

@@ -43,9 +43,13 @@ class ParseProcess:
 
     def __init__(self, path: str | Path, *, model: str, priority: int, chunk: int,
                  counter_model: str | None = None, max_model_len: int | None = None,
-                 served: Sequence[str] = ()) -> None:
+                 served: Sequence[str] = (), table_format: str | None = None,
+                 recipe: dict[str, Any] | None = None) -> None:
+        """``table_format`` and ``recipe``: ``path`` is a table whose rows the recipe builds
+        (``worker.ingest.tables``, ``worker.request.table_rows``), else Batch JSONL lines."""
         spec = {"path": str(path), "model": model, "priority": priority, "served": list(served),
-                "chunk": chunk, "parent": os.getpid(), "counter_model": counter_model, "max_model_len": max_model_len}
+                "chunk": chunk, "parent": os.getpid(), "counter_model": counter_model, "max_model_len": max_model_len,
+                "table_format": table_format, "recipe": recipe}
         self._stderr = tempfile.TemporaryFile()
         repo = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
@@ -131,10 +135,19 @@ def run(spec: dict[str, Any], inp: IO[bytes], out: IO[bytes]) -> None:
         return
     start_after = int(after)
     gc.disable()  # parsing makes no cycles worth a collection; the collector walked every chunk
-    lines = ((n, raw) for n, raw in numbered_lines(spec["path"]) if n > start_after)
+    recipe = None
+    if spec.get("table_format") is not None:
+        from worker.ingest.tables import Table
+        from worker.request.table_rows import RowRecipe
+
+        table = Table(spec["path"], spec["table_format"])
+        recipe = RowRecipe(**spec["recipe"])
+        lines = table.records(recipe.columns_used(table.column_names), skip=start_after)
+    else:
+        lines = ((n, raw) for n, raw in numbered_lines(spec["path"]) if n > start_after)
     for i, chunk in enumerate(chunked(lines, spec["chunk"], spec["chunk"])):
         entries = parse_chunk(chunk, model=spec["model"], priority=spec["priority"], count_tokens=count_tokens,
-                              max_model_len=spec["max_model_len"], served=spec["served"])
+                              max_model_len=spec["max_model_len"], served=spec["served"], recipe=recipe)
         pickle.dump(entries, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
         if i % 64 == 63:

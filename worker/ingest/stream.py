@@ -42,6 +42,9 @@ FIRST_CHUNK = 200
 #: A file smaller than this is parsed here alone: the parsing process takes a few seconds to
 #: start (imports, the tokenizer), about what parsing 8 MB of lines here takes.
 CHILD_MIN_BYTES = 8 << 20
+#: The same for a table whose row count its metadata tells (Parquet, datasets): about the rows
+#: of an 8 MB Batch file (a Parquet file is many times smaller than its rows as JSON lines).
+CHILD_MIN_ROWS = 40_000
 #: Bad lines kept in memory to report (every one of them is stored as a failed job anyway).
 KEEP_BAD = 1000
 #: Seconds between two of the producer's pacer ticks: the first chunk is paced at once (the
@@ -221,19 +224,20 @@ class Ingest:
     def _entries(self, source: str | Path | Iterable[Any] | Table, result: IngestResult) -> Iterator[list[Entry]]:
         """Each chunk's parsed entries, in file order: parsed here until the child (started
         at once for a large enough file) is ready, then by the child. A ``Table``'s rows are
-        read a record batch at a time and built by the recipe."""
-        if isinstance(source, Table):
-            assert self.recipe is not None
-            rows = source.records(self.recipe.columns_used(source.column_names))
-            for chunk in chunked(rows, min(self.first_chunk, self.chunk), self.chunk):
-                yield self._parse(chunk)
-            return
+        read a record batch at a time and built by the recipe, here and in the child alike."""
+        table = source if isinstance(source, Table) else None
         if self._child_can_parse(source):
             counter_model = self.count_tokens.model if self.count_tokens is not None else None  # type: ignore[attr-defined]
-            self.parser = ParseProcess(source, model=self.model, priority=self.priority, chunk=self.chunk,
-                                       counter_model=counter_model, max_model_len=self.max_model_len,
-                                       served=self.served)
-        lines = numbered_lines(source)
+            self.parser = ParseProcess(table.path if table is not None else source, model=self.model,
+                                       priority=self.priority, chunk=self.chunk, counter_model=counter_model,
+                                       max_model_len=self.max_model_len, served=self.served,
+                                       table_format=table.format if table is not None else None,
+                                       recipe=self.recipe.to_dict() if table is not None else None)
+        if table is not None:
+            assert self.recipe is not None
+            lines = table.records(self.recipe.columns_used(table.column_names))
+        else:
+            lines = numbered_lines(source)
         chunks = chunked(lines, min(self.first_chunk, self.chunk), self.chunk)
         for chunk in chunks:
             yield self._parse(chunk)
@@ -247,15 +251,19 @@ class Ingest:
                     yield entries
                 return
             if self.parser.failed is not None:
-                log.warning("parsing %s on this core alone: the parsing process died (%s)", source,
-                            self.parser.failed)
+                log.warning("parsing %s on this core alone: the parsing process died (%s)",
+                            table.path if table is not None else source, self.parser.failed)
                 self.parser.close()
                 self.parser = None
 
     def _child_can_parse(self, source: Any) -> bool:
-        return (self.parse_in_child and isinstance(source, (str, Path))
-                and (self.count_tokens is None or isinstance(self.count_tokens, TokenCounter))
-                and os.path.getsize(source) >= self.child_min_bytes)
+        if not (self.parse_in_child and (self.count_tokens is None or isinstance(self.count_tokens, TokenCounter))):
+            return False
+        if isinstance(source, Table):
+            rows = source.num_rows_hint
+            return (source.nbytes >= self.child_min_bytes if rows is None
+                    else rows >= CHILD_MIN_ROWS * self.child_min_bytes / CHILD_MIN_BYTES)
+        return isinstance(source, (str, Path)) and os.path.getsize(source) >= self.child_min_bytes
 
     def _parse(self, lines: Sequence[tuple[int, Any]]) -> list[Entry]:
         return parse_chunk(lines, model=self.model, priority=self.priority, count_tokens=self.count_tokens,

@@ -90,6 +90,24 @@ class Table:
         return list(names)
 
     @cached_property
+    def nbytes(self) -> int:
+        """Bytes on disk (a dataset folder's files together): whether a parsing process pays."""
+        if self.path.is_dir():
+            return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        return self.path.stat().st_size
+
+    @cached_property
+    def num_rows_hint(self) -> int | None:
+        """The row count where the format's metadata holds it (Parquet, datasets), else None."""
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(self.path).metadata.num_rows
+        if self.format == "datasets":
+            return len(self._dataset)
+        return None
+
+    @cached_property
     def features(self) -> Any:
         """A Hugging Face dataset's ``Features`` (class labels and all), else None."""
         return self._dataset.features if self.format == "datasets" else None

@@ -135,7 +135,7 @@ class RowRecipe:
         values = {k: v for k, v in row.items() if v is not None}
         try:
             if template is not None:
-                user = template.render(values)
+                user = _render(template, values)
             else:
                 user = row.get(self.prompt_column)
                 if user is None:
@@ -143,7 +143,7 @@ class RowRecipe:
                 if not isinstance(user, str):
                     return _bad(row_no, f"{self.prompt_column}: the prompt must be text, got "
                                         f"{type(user).__name__}", custom_id)
-            system_text = system.render(values) if system is not None else None
+            system_text = _render(system, values) if system is not None else None
         except jinja2.UndefinedError as exc:
             return _bad(row_no, f"template: {exc.message} (a column null or missing in this row)", custom_id)
         except Exception as exc:  # a template's own error (a filter on the wrong type, a division by zero)
@@ -162,6 +162,14 @@ class RowRecipe:
         messages = ([{"role": "system", "content": system_text}] if system_text else []) + \
             [{"role": "user", "content": user}]
         return Request(row_no, custom_id, "chat", params, messages=messages)
+
+
+def _render(template: jinja2.Template, values: dict[str, Any]) -> str:
+    """``template.render(values)`` at half its cost (a million rows: seconds of ingest): the
+    context is the template's globals and the row in one dict (``shared``), not a chain of
+    copies; errors are raised as they are (the caller turns them into error rows)."""
+    context = template.new_context({**template.globals, **values}, shared=True)
+    return template.environment.concat(template.root_render_func(context))  # type: ignore[attr-defined]
 
 
 def _number(value: Any) -> Any:
