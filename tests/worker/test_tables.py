@@ -251,3 +251,35 @@ def test_a_sigkilled_run_resumes_to_every_row_exactly_once(served, tmp_path, fmt
     assert not (tmp_path / f"{out.name}.parts").exists() and not (tmp_path / f"{out.name}.progress").exists()
     jobs = list(served["client"].store.iter_jobs(batch_of(res)))
     assert sorted(j.custom_id for j in jobs) == table.column("key").to_pylist()  # one job per row, never two
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt-column", "nope"], "column 'nope' is not in the table (its columns: id, q)"),
+    (["--template", "{{ q "], "--template: unexpected end of template"),
+    (["--template", "{{ q }}", "--keep", "id,zz"], "--keep: column 'zz' is not in the table"),
+    ([], "name the prompt with --prompt-column COL or --template (its columns: id, q)"),
+    (["--template", "{{ q }}", "-o", "out.xlsx"], "no output format for the extension '.xlsx'"),
+])
+def test_a_table_run_that_can_never_work_fails_before_anything_starts(tmp_path, flags, message):
+    from click.testing import CliRunner
+
+    from worker.api.cli import cli
+
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": [1], "q": ["x"]}), src)
+    res = CliRunner().invoke(cli, ["--broker-url", "redis://127.0.0.1:1/0", "--database-url",
+                                   f"sqlite:///{tmp_path / 'sb.db'}", "run", str(src), *flags])
+    assert res.exit_code == 2, res.output  # a usage error, before any broker or store is reached
+    assert message in " ".join(res.output.split()), res.output
+
+
+def test_table_flags_on_a_batch_file_are_refused(tmp_path):
+    from click.testing import CliRunner
+
+    from worker.api.cli import cli
+
+    src = tmp_path / "batch.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}]}}) + "\n")
+    res = CliRunner().invoke(cli, ["--broker-url", "redis://127.0.0.1:1/0", "run", str(src), "--n", "3"])
+    assert res.exit_code == 2 and "--n: for a table's rows; batch.jsonl is read as OpenAI Batch lines" in \
+        " ".join(res.output.split()), res.output
