@@ -2,13 +2,14 @@
 
 Why: at batch 1 a decode step was 1.39x its weight floor; the rest was norms, rotary, attention
 and Python glue run op by op. Inductor turns the glue into a few fused C++ loops, packs the
-weights for oneDNN itself (``freezing``: the weights become graph constants; our own prepacked
-tensors cannot enter its graph), and calls our paged attention, a ``torch.library`` op that reads
-each K/V block once (``specbatch_kernels.cpu_ops``), as one opaque call per layer.
+calls our oneDNN-prepacked linears by handle (``specbatch::packed_linear``: a packed weight cannot
+be a graph input, and inductor's own packing, freezing, makes graphs it never caches on disk;
+``SPECBATCH_COMPILE_WEIGHTS=frozen`` measures that alternative) and our paged attention, a
+``torch.library`` op that reads each K/V block once (``specbatch_kernels.cpu_ops``).
 
 Only decode-only steps run compiled (one query token and one sampled row per sequence, as the
-CUDA graphs of ``engine.decode_graphs``); their inputs are copied into persistent buffers and the
-graph is dynamic in the batch size (batch 1 gets its own specialised graph). Prefill, chunks,
+CUDA graphs of ``engine.decode_graphs``); their inputs are copied into persistent buffers and one
+graph serves every batch size (dynamic; batch 1 runs padded to 2) and any number of KV blocks. Prefill, chunks,
 speculative verification, int8 models and non-Llama layers run eagerly; so does everything after
 a compile or run fails (the runner logs it once). Inductor's caches live in the project's cache
 directory (``<cache>/inductor``), so a second start on a machine reuses the compiled code.
@@ -18,23 +19,64 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_linear import PackedLinear
 from engine.decode_graphs import DecodeGraphs
 from engine.fused_layers import FusedDecoderLayer, _rms_norm, _rotate
+from specbatch_kernels.cpu_ops import register_packed_linear, release_packed_linear
 
+# Smallest batch the graph runs: batch 1 is padded to 2, since a size-1 dimension would be
+# specialised (a second graph, twice the compile time).
+MIN_BATCH = 2
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed at load (no dynamic update)
 
 
 def _dense(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Dense ``(weight, bias)`` of a float linear (``nn.Linear`` or ``PackedLinear``), else None."""
-    if type(linear).__name__ not in ("Linear", "PackedLinear"):
+    if not isinstance(linear, (nn.Linear, PackedLinear)):
         return None
     return linear.weight.detach().contiguous(), getattr(linear, "bias", None)
+
+
+def weights_mode() -> str:
+    """``packed`` (default): our prepacked oneDNN weights, called by handle from the graph (the
+    graph is cacheable on disk); ``frozen``: dense weights that inductor freezes and packs itself
+    (its graphs are never cached: every start compiles). ``SPECBATCH_COMPILE_WEIGHTS`` picks one."""
+    mode = os.environ.get("SPECBATCH_COMPILE_WEIGHTS", "packed")
+    if mode not in ("packed", "frozen"):
+        raise ValueError(f"SPECBATCH_COMPILE_WEIGHTS must be packed or frozen, got {mode!r}")
+    return mode
+
+
+class _Linear(nn.Module):
+    """One linear of the compiled graph, optionally adding a residual (as ``_add_linear`` does)."""
+
+    def __init__(self, linear: nn.Module, mode: str, handles: list[int]) -> None:
+        super().__init__()
+        self.handle: int | None = None
+        if mode == "packed" and isinstance(linear, PackedLinear):
+            self.handle = register_packed_linear(linear.packed_weight, linear.bias, linear.out_features)
+            handles.append(self.handle)
+            self.fuse_add = linear.dtype == torch.float32  # exact in fp32 only (PackedLinear.forward_add)
+            return
+        weight, bias = _dense(linear)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.handle is None:
+            out = F.linear(x, self.weight, self.bias)
+        elif residual is not None and self.fuse_add:
+            return torch.ops.specbatch.packed_linear(x, self.handle, residual)
+        else:
+            out = torch.ops.specbatch.packed_linear(x, self.handle)
+        return out if residual is None else residual + out
 
 
 def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
@@ -54,7 +96,7 @@ def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
 
 
 class _Layer(nn.Module):
-    def __init__(self, layer: FusedDecoderLayer) -> None:
+    def __init__(self, layer: FusedDecoderLayer, mode: str, handles: list[int]) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         self.scaling, self.window = layer.scaling, int(layer.sliding_window or 0)
@@ -62,40 +104,37 @@ class _Layer(nn.Module):
         self.in_eps, self.post_eps = layer.input_norm_eps, layer.post_norm_eps
         self.in_norm = nn.Parameter(layer.input_norm_weight.detach(), requires_grad=False)
         self.post_norm = nn.Parameter(layer.post_norm_weight.detach(), requires_grad=False)
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            weight, bias = _dense(getattr(layer, name))
-            self.register_parameter(f"{name}_w", nn.Parameter(weight, requires_grad=False))
-            self.register_parameter(f"{name}_b", None if bias is None else nn.Parameter(bias, requires_grad=False))
+        self.qkv_proj = _Linear(layer.qkv_proj, mode, handles)
+        self.o_proj = _Linear(layer.o_proj, mode, handles)
+        self.gate_up_proj = _Linear(layer.gate_up_proj, mode, handles)
+        self.down_proj = _Linear(layer.down_proj, mode, handles)
 
     def forward(self, x, cos, sin, k_cache, v_cache, slots, tables, ctx):
         b, h, hkv = x.shape[0], self.heads, self.kv_heads
-        qkv = F.linear(_rms_norm(x, self.in_norm, self.in_eps), self.qkv_proj_w, self.qkv_proj_b)
-        qkv = qkv.view(b, h + 2 * hkv, self.head_dim)
+        qkv = self.qkv_proj(_rms_norm(x, self.in_norm, self.in_eps)).view(b, h + 2 * hkv, self.head_dim)
         qk = _rotate(qkv[:, : h + hkv], cos, sin)
         torch.ops.specbatch.write_kv(qk[:, h:], qkv[:, h + hkv :], k_cache, v_cache, slots)
         attended = torch.ops.specbatch.paged_decode_attention(qk[:, :h], k_cache, v_cache, tables, ctx,
                                                               self.scaling, self.window)
-        x = x + F.linear(attended.reshape(b, -1), self.o_proj_w, self.o_proj_b)
-        gate, up = F.linear(_rms_norm(x, self.post_norm, self.post_eps), self.gate_up_proj_w,
-                            self.gate_up_proj_b).split(self.intermediate, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj_w, self.down_proj_b)
+        x = self.o_proj(attended.reshape(b, -1), x)
+        gate, up = self.gate_up_proj(_rms_norm(x, self.post_norm, self.post_eps)).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up, x)
 
 
 class DecodeModule(nn.Module):
     """The decode forward on plain tensors (one token per sequence), built for tracing."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, mode: str) -> None:
         super().__init__()
+        self.handles: list[int] = []  # packed-linear registry entries this module holds
         inner = model.model
         self.embed = inner.embed_tokens
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(rotary.attention_scaling)
-        self.layers = nn.ModuleList(_Layer(layer) for layer in inner.layers)
+        self.layers = nn.ModuleList(_Layer(layer, mode, self.handles) for layer in inner.layers)
         self.norm = inner.norm
-        head_w, head_b = _dense(model.get_output_embeddings())
-        self.head_w = nn.Parameter(head_w, requires_grad=False)
-        self.head_b = None if head_b is None else nn.Parameter(head_b, requires_grad=False)
+        self.head = _Linear(model.get_output_embeddings(), mode, self.handles)
 
     def forward(self, input_ids, positions, slots, tables, ctx, caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -106,7 +145,12 @@ class DecodeModule(nn.Module):
         sin = (emb.sin() * self.rope_scaling).to(x.dtype)[:, None]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, caches[2 * i], caches[2 * i + 1], slots, tables, ctx)
-        return F.linear(self.norm(x), self.head_w, self.head_b).float()
+        return self.head(self.norm(x)).float()
+
+
+def _release(handles: list[int]) -> None:
+    for handle in handles:
+        release_packed_linear(handle)
 
 
 def use_cache_dir(root: str | os.PathLike) -> str:
@@ -127,38 +171,46 @@ class CompiledDecode(DecodeGraphs):
     ``DecodeGraphs`` keeps (no padding: the graph is dynamic in the batch size)."""
 
     def __init__(self, runner, max_batch: int, max_context_len: int) -> None:
-        super().__init__(runner, max_batch, max_context_len, static=True)
-        self.module = DecodeModule(runner.model).eval()
+        super().__init__(runner, max(max_batch, MIN_BATCH), max_context_len, static=True)
+        self.mode = weights_mode()
+        self.module = DecodeModule(runner.model, self.mode).eval()
+        weakref.finalize(self, _release, list(self.module.handles))
         self.caches = [t for pair in runner.kv_caches for t in pair]
-        # Freezing is read from the global config when the graph is compiled (the first calls),
-        # not from torch.compile's options; no other code of the engine compiles.
-        torch._inductor.config.freezing = True
-        # Automatic dynamic shapes: batch 1 compiles specialised, batch 2 marks the batch
-        # dimension dynamic (the caches and block tables keep their static shapes).
-        self.compiled = torch.compile(self.module, dynamic=None)
+        for cache in self.caches:  # the graph serves any number of blocks (one cache entry per model)
+            torch._dynamo.mark_dynamic(cache, 0)
+        if self.mode == "frozen":
+            # Read from the global config when a graph is compiled (the first calls), not from
+            # torch.compile's options; no other code of the engine compiles.
+            torch._inductor.config.freezing = True
+        # Dynamic where marked (batch, cache blocks); heads, head_dim and the rest stay static.
+        self.compiled = torch.compile(self.module)
         self.warmup_s: float | None = None
 
     def describe(self) -> str:
-        return f"decode compiled (inductor, freezing) for batch sizes 1..{self.sizes[-1]}"
+        weights = "our packed weights" if self.mode == "packed" else "frozen weights"
+        return f"decode compiled (inductor, {weights}) for batch sizes 1..{self.sizes[-1]}"
 
     def run(self, inputs) -> torch.Tensor:
+        """Logits ``[batch, vocab]`` of a decode step; batch 1 runs padded to 2 (one graph for all)."""
         batch = inputs.metadata.context_lens.shape[0]
-        self._fill(inputs, batch, batch)
-        return self._call(batch)
+        size = max(batch, MIN_BATCH)
+        self._fill(inputs, batch, size)
+        return self._call(size)[:batch]
 
-    def _call(self, batch: int) -> torch.Tensor:
-        return self.compiled(self.input_ids[:batch], self.positions[:batch], self.slot_mapping[:batch],
-                             self.block_tables[:batch], self.context_lens[:batch], self.caches)
+    def _call(self, size: int) -> torch.Tensor:
+        args = (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
+                self.block_tables[:size], self.context_lens[:size])
+        for arg in args:  # fresh views each call: mark their batch dimension symbolic again
+            torch._dynamo.mark_dynamic(arg, 0)
+        return self.compiled(*args, self.caches)
 
     @torch.inference_mode()
-    def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> float:
-        """Compile the graphs ahead of the first step on rows that write and attend to nothing
+    def warm_up(self) -> float:
+        """Compile the graph ahead of the first step on rows that write and attend to nothing
         (slot -1, context 0); returns the seconds it took (cold: compiling; warm: cache hits)."""
         start = time.perf_counter()
         self.slot_mapping.fill_(-1)
         self.context_lens.zero_()
-        for batch in batches:
-            if batch <= self.sizes[-1]:
-                self._call(batch)
+        self._call(MIN_BATCH)
         self.warmup_s = time.perf_counter() - start
         return self.warmup_s

@@ -1,5 +1,7 @@
 """CPU kernels as ``torch.library`` ops: ``torch.ops.specbatch.paged_decode_attention`` and
-``torch.ops.specbatch.write_kv`` (C++ in ``csrc/cpu_paged.cpp``).
+``torch.ops.specbatch.write_kv`` (C++ in ``csrc/cpu_paged.cpp``), and
+``torch.ops.specbatch.packed_linear`` (``csrc/packed_linear.cpp``: oneDNN-prepacked weights held
+in a registry, called by handle from a compiled graph).
 
 Why ops and not Python: ``torch.compile`` keeps a registered op as one opaque call in its graph
 (its fake implementation below gives the output's shape), and the C++ reads each K/V block of
@@ -23,13 +25,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_paged.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_paged.cpp", "packed_linear.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+_out_features: dict[int, int] = {}  # packed-linear handle -> output features (for tracing)
 
 
 def _build_dir(root: Path) -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
     capability = torch.backends.cpu.get_cpu_capability()
     return root / "cpu_ops" / f"{torch.__version__}-{capability}-{digest}"
 
@@ -42,12 +45,14 @@ def load_cpu_ops(build_root: str | os.PathLike | None = None) -> bool:
         try:
             from torch.utils import cpp_extension
 
-            root = Path(build_root) if build_root is not None else Path.home() / ".cache" / "specbatch"
+            if build_root is None:
+                build_root = os.environ.get("SPECBATCH_CACHE_DIR", Path.home() / ".cache" / "specbatch")
+            root = Path(build_root)
             build = _build_dir(root)
             build.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(
                 name="specbatch_cpu_ops",
-                sources=[str(_SOURCE)],
+                sources=[str(p) for p in _SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
@@ -72,6 +77,22 @@ def _register_fakes() -> None:
     @torch.library.register_fake("specbatch::write_kv")
     def _(key, value, k_cache, v_cache, slot_mapping):
         return None
+
+    @torch.library.register_fake("specbatch::packed_linear")
+    def _(x, handle, residual=None):
+        return x.new_empty((*x.shape[:-1], _out_features[handle]))
+
+
+def register_packed_linear(packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> int:
+    """A handle for ``torch.ops.specbatch.packed_linear`` to a oneDNN-prepacked weight (shared,
+    not copied); ``release_packed_linear`` drops the registry's reference."""
+    handle = int(torch.ops.specbatch.register_packed_linear(packed_weight, bias))
+    _out_features[handle] = out_features
+    return handle
+
+
+def release_packed_linear(handle: int) -> None:
+    torch.ops.specbatch.release_packed_linear(handle)
 
 
 def paged_decode_attention(
