@@ -8,19 +8,22 @@ positions and cache slots; the model computes logits only at the positions that 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import specbatch_kernels
 import torch
 from transformers import PreTrainedModel
 
 from engine.attention import PagedMetadata
-from engine.compiled_step import CompiledDecode, unsupported_reason, use_cache_dir
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.memory import available_memory_bytes, default_cpu_kv_blocks
 from engine.model_hub import cache_dir
 from engine.scheduler import ScheduledSeq
 from engine.step_inputs import StepInputs
+
+if TYPE_CHECKING:  # imported when compile_step asks for it: it pulls in inductor
+    from engine.compiled_step import CompiledDecode
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class ModelRunner:
     def _compile_decode(self, max_model_len: int) -> CompiledDecode | None:
         """The compiled decode step, compiled now (a warm-up on empty rows), or None with the
         reason logged once: unsupported model, no C++ toolchain, or a failed compile."""
+        from engine.compiled_step import CompiledDecode, unsupported_reason, use_cache_dir
         from specbatch_kernels.cpu_ops import load_cpu_ops
 
         reason = unsupported_reason(self.model, self.device)
