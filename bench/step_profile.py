@@ -311,6 +311,9 @@ def main() -> None:
         print(row)
     if floors:
         print(f"(floor: every linear once on the batch's rows, {weight_bytes / 1e6:.0f} MB of weights, oneDNN-prepacked)")
+    for batch in batches:  # the spread behind each median (the cores are shared)
+        print(f"batch {batch} rounds (ms/step): " + "; ".join(
+            f"{m} " + " ".join(f"{v * 1e3:.1f}" for v in steps[(m, batch)]) for m in modes))
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -99,3 +99,16 @@ def test_inductor_cache_in_the_project_cache(compiled_llm):
     from engine.model_hub import cache_dir
 
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(cache_dir()))
+
+
+def test_a_second_model_in_the_process_gets_its_own_graph(compiled_llm, tmp_path):
+    """The graph calls packed weights by handle: another model of the same shapes must never run
+    the first one's graph (its handles are guarded, so it compiles its own)."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    other = str(make_tiny_model(tmp_path / "other", seed=5, logit_scale=8.0))
+    tokens(compiled_llm)  # the first model's graph exists and is warm
+    want = tokens(LLM(other, device="cpu", max_num_seqs=8))
+    llm = LLM(other, device="cpu", max_num_seqs=8, compile_step=True)
+    assert tokens(llm) == want
+    assert llm.engine.runner.compiled is not None
