@@ -37,6 +37,14 @@ def _build_dir(root: Path) -> Path:
     return root / "cpu_ops" / f"{torch.__version__}-{capability}-{digest}"
 
 
+def _capability_flags() -> list[str]:
+    """The defines that select ATen's Vectorized<float> width, as torch's own CPU kernels use."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX512", "AVX2"):
+        return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    return []
+
+
 def load_cpu_ops(build_root: str | os.PathLike | None = None) -> bool:
     """Build (once per machine) and load the ops; True when ``torch.ops.specbatch`` has them."""
     with _lock:
@@ -53,7 +61,7 @@ def load_cpu_ops(build_root: str | os.PathLike | None = None) -> bool:
             cpp_extension.load(
                 name="specbatch_cpu_ops",
                 sources=[str(p) for p in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *_capability_flags()],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
                 is_python_module=False,
