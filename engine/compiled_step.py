@@ -176,7 +176,7 @@ def use_cache_dir(root: str | os.PathLike) -> str:
 
 class CompiledDecode(DecodeGraphs):
     """Decode-only steps through the compiled ``DecodeModule`` over the persistent buffers that
-    ``DecodeGraphs`` keeps (no padding: the graph is dynamic in the batch size)."""
+    ``DecodeGraphs`` keeps (one graph dynamic in the batch size; batch 1 runs padded to 2)."""
 
     def __init__(self, runner, max_batch: int, max_context_len: int) -> None:
         super().__init__(runner, max(max_batch, MIN_BATCH), max_context_len, static=True)
