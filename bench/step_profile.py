@@ -10,7 +10,8 @@ Two passes per batch size over the real code path of ``LLMEngine.step``:
    and glue. The timers themselves cost a few microseconds each, so pass 2's forward is a bit
    slower than pass 1's; its shares are what matter.
 
-    python bench/step_profile.py                       # batch 1, 8, 64 (CUDA: eager vs captured)
+    python bench/step_profile.py                       # batch 1, 8, 64: eager vs compiled (CUDA: vs captured)
+    python bench/step_profile.py --rounds 3 --no-split # alternated rounds, medians and ratios
     python bench/step_profile.py --batches 1 --steps 64 --quantization int8
 """
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 from bench.machine import describe_machine  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.quantization import Int8DynamicLinear  # noqa: E402
 from engine.model_hub import DEFAULT_MODEL, resolve_model  # noqa: E402
@@ -226,15 +227,45 @@ def print_forward(batch: int, split: dict[str, float]) -> None:
             print(f"    {name:<10}{fmt_ms(split[name])}  {split[name] / fwd:5.1%}")
 
 
+def build_engines(args, modes: list[str], max_batch: int) -> dict[str, LLMEngine]:
+    """One engine per mode over the same loaded weights; prints each one's start-up time (the
+    compiled one's includes compiling its decode step, or loading it from inductor's cache)."""
+    from engine.config import EngineConfig
+
+    path = resolve_model(args.model)
+    engines: dict[str, LLMEngine] = {}
+    base: LLMEngine | None = None
+    for mode in modes:
+        start = time.perf_counter()
+        config = EngineConfig(model=path, device=args.device, dtype=args.dtype, max_num_seqs=max_batch,
+                              quantization=args.quantization, decode_capture=(mode == "captured"),
+                              compile_step=(mode == "compiled"))
+        engine = LLMEngine(config, model=base.model if base else None, tokenizer=base.tokenizer if base else None)
+        base = base or engine
+        engines[mode] = engine
+        compiled = engine.runner.compiled
+        extra = f"; decode step compiled in {compiled.warmup_s:.1f} s" if compiled is not None else ""
+        print(f"=== {mode}: {engine.runner.describe()}; engine start {time.perf_counter() - start:.1f} s{extra}")
+    return engines
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    parser.add_argument("--rounds", type=int, default=1, help="alternated rounds over the modes (medians reported)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--modes", default=None,
-                        help="comma list of eager, captured (default: both on CUDA; eager on the CPU, which never captures)")
+                        help="comma list of eager, captured, compiled (default: eager,captured on CUDA; eager,compiled on the CPU)")
+    parser.add_argument("--no-split", action="store_true", help="skip the eager forward split (faster)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -242,26 +273,48 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    modes = args.modes or ("eager,captured" if args.device.startswith("cuda") else "eager")
-    path = resolve_model(args.model)
+    modes = (args.modes or ("eager,captured" if args.device.startswith("cuda") else "eager,compiled")).split(",")
     print(describe_machine())
     print(f"model {args.model}, quantization {args.quantization or 'none'}, {args.steps} decode steps per batch, "
-          f"prompts of {args.prompt_len} tokens")
+          f"prompts of {args.prompt_len} tokens, {args.rounds} alternated rounds, {torch.get_num_threads()} threads")
     torch.manual_seed(0)
-    for mode in modes.split(","):
-        llm = LLM(path, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
-                  quantization=args.quantization, decode_capture=(mode == "captured"))
-        engine = llm.engine
-        vocab = engine.vocab_size
-        print(f"\n=== {mode}: {engine.runner.describe()}")
+    engines = build_engines(args, modes, max(batches))
+    vocab = engines[modes[0]].vocab_size
+    steps: dict[tuple[str, int], list[float]] = defaultdict(list)
+    floors: dict[int, list[float]] = defaultdict(list)
+    weight_bytes = 0
+    for round_ in range(args.rounds):
         for batch in batches:
             prompts = [torch.randint(100, vocab - 100, (args.prompt_len,)).tolist() for _ in range(batch)]
-            phases = profile_phases(engine, prompts, args.steps)
-            print_phases(mode, batch, phases)
-            if mode == "eager" and args.device == "cpu":  # CUDA ops are asynchronous: no per-op split
-                print_forward(batch, profile_forward(engine, prompts, args.steps))
-                print_floor(batch, phases["step"], *weight_floor(engine, batch))
-        del llm, engine
+            for mode in modes:
+                phases = profile_phases(engines[mode], prompts, args.steps)
+                steps[(mode, batch)].append(phases["step"])
+                if round_ == args.rounds - 1:
+                    print_phases(f"{mode} (round {round_ + 1})", batch, phases)
+                    if mode == "eager" and args.device == "cpu" and not args.no_split:
+                        print_forward(batch, profile_forward(engines[mode], prompts, args.steps))
+            if args.device == "cpu":
+                floor, weight_bytes = weight_floor(engines[modes[0]], batch)
+                floors[batch].append(floor)
+    print(f"\n=== medians of {args.rounds} alternated rounds (ms/step; ratio = {modes[0]} / other, > 1 is faster)")
+    header = f"{'batch':>5}" + "".join(f"{m:>11}" for m in modes) + "".join(f"{m + ' x':>13}" for m in modes[1:])
+    if floors:
+        header += f"{'floor':>9}" + "".join(f"{m + '/floor':>15}" for m in modes)
+    print(header)
+    for batch in batches:
+        med = {m: median(steps[(m, batch)]) for m in modes}
+        row = f"{batch:>5}" + "".join(f"{med[m] * 1e3:>11.2f}" for m in modes)
+        row += "".join(f"{med[modes[0]] / med[m]:>12.2f}x" for m in modes[1:])
+        if floors:
+            floor = median(floors[batch])
+            row += f"{floor * 1e3:>9.2f}" + "".join(f"{med[m] / floor:>14.2f}x" for m in modes)
+        print(row)
+    if floors:
+        print(f"(floor: every linear once on the batch's rows, {weight_bytes / 1e6:.0f} MB of weights, oneDNN-prepacked)")
+    for batch in batches:  # the spread behind each median (the cores are shared)
+        print(f"batch {batch} rounds (ms/step): " + "; ".join(
+            f"{m} " + " ".join(f"{v * 1e3:.1f}" for v in steps[(m, batch)]) for m in modes))
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

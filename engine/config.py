@@ -74,6 +74,10 @@ class EngineConfig:
     # On CUDA, decode-only steps replay a captured forward (CUDA graphs) for a fixed set of batch
     # sizes; anything else, any capture failure, and every CPU step run eagerly (no CPU capture yet).
     decode_capture: bool = True
+    # On the CPU, decode-only steps run a torch.compile'd forward (engine.compiled_step) with
+    # paged attention as a C++ op; compiled at start-up (inductor's on-disk cache makes later
+    # starts fast). Off by default until measured faster everywhere; any failure falls back to eager.
+    compile_step: bool = False
     # Structured output: a grammar not compiled this many seconds after its first request fails
     # the requests waiting on it (engine.structured.compiler says why a limit is needed).
     structured_outputs_timeout_s: float = 10.0

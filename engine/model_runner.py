@@ -8,6 +8,7 @@ positions and cache slots; the model computes logits only at the positions that 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import specbatch_kernels
 import torch
@@ -17,8 +18,12 @@ from engine.attention import PagedMetadata
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.memory import available_memory_bytes, default_cpu_kv_blocks
+from engine.model_hub import cache_dir
 from engine.scheduler import ScheduledSeq
 from engine.step_inputs import StepInputs
+
+if TYPE_CHECKING:  # imported when compile_step asks for it: it pulls in inductor
+    from engine.compiled_step import CompiledDecode
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,32 @@ class ModelRunner:
         # the host (reads lengths back), which invalidates a capture (seen on an H200).
         if config.decode_capture and self.device.type == "cuda" and self.backend == "triton":
             self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len)
+        self.compiled: CompiledDecode | None = None
+        if config.compile_step:
+            self.compiled = self._compile_decode(max_model_len)
+
+    def _compile_decode(self, max_model_len: int) -> CompiledDecode | None:
+        """The compiled decode step, compiled now (a warm-up on empty rows), or None with the
+        reason logged once: unsupported model, no C++ toolchain, or a failed compile."""
+        from engine.compiled_step import CompiledDecode, unsupported_reason, use_cache_dir
+        from specbatch_kernels.cpu_ops import load_cpu_ops
+
+        reason = unsupported_reason(self.model, self.device)
+        if reason is None and not load_cpu_ops(cache_dir()):
+            reason = "the specbatch CPU ops could not be built"
+        if reason is not None:
+            log.warning("compile_step: %s; decode steps run eagerly", reason)
+            return None
+        inductor_cache = use_cache_dir(cache_dir())
+        try:
+            compiled = CompiledDecode(self, self.config.max_num_seqs, max_model_len)
+            seconds = compiled.warm_up()
+        except Exception as exc:
+            log.warning("compile_step: compiling the decode step failed (%s: %s); decode steps run eagerly",
+                        type(exc).__name__, exc)
+            return None
+        log.info("compile_step: decode step compiled in %.1f s (inductor cache %s)", seconds, inductor_cache)
+        return compiled
 
     @property
     def bytes_per_block(self) -> int:
@@ -148,6 +179,8 @@ class ModelRunner:
     def describe(self) -> str:
         """One line for logs and benchmarks: how steps are run."""
         capture = self.graphs.describe() if self.graphs is not None else "decode eager"
+        if self.compiled is not None:
+            capture = self.compiled.describe()
         quant = self.config.quantization or "none"
         return f"device {self.device}, dtype {self.config.dtype}, quantization {quant}, kernels {self.backend}, {capture}"
 
@@ -155,8 +188,9 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]`` for the sampled positions.
 
-        Decode-only steps replay a captured graph where one is set up; if capturing or
-        replaying ever fails, capture is switched off for good and the step runs eagerly.
+        Decode-only steps replay a captured graph (CUDA) or run the compiled step (CPU,
+        ``compile_step``) where one is set up; if that ever fails, it is switched off for good
+        (logged once) and the step runs eagerly.
         """
         if self.graphs is not None and self.graphs.can_run(inputs):
             try:
@@ -165,6 +199,13 @@ class ModelRunner:
                 log.warning("decode capture failed (%s: %s); running every step eagerly from now on",
                             type(exc).__name__, exc)
                 self.graphs = None
+        if self.compiled is not None and self.compiled.can_run(inputs):
+            try:
+                return self.compiled.run(inputs)
+            except Exception as exc:
+                log.warning("compiled decode step failed (%s: %s); running every step eagerly from now on",
+                            type(exc).__name__, exc)
+                self.compiled = None
         return self.forward_eager(inputs)
 
     @torch.inference_mode()

@@ -40,9 +40,26 @@ def variant(smol_llm: LLM, **overrides) -> LLM:
     return LLM.from_engine(LLMEngine(config, model=base.model, tokenizer=base.tokenizer))
 
 
+@pytest.fixture(scope="module")
+def compiled_llm(smol_llm):
+    """The same weights with the compiled CPU decode step (engine.compiled_step)."""
+    llm = variant(smol_llm, max_num_seqs=64, compile_step=True)
+    assert llm.engine.runner.compiled is not None, "the compiled step did not start (see the log)"
+    return llm
+
+
 def test_greedy_tokens_equal_hf_generate(smol_llm, hf):
+    assert_greedy_tokens_equal_hf(smol_llm, hf)
+
+
+def test_greedy_tokens_equal_hf_generate_compiled(compiled_llm, hf):
+    assert_greedy_tokens_equal_hf(compiled_llm, hf)
+    assert compiled_llm.engine.runner.compiled is not None  # every decode step ran compiled
+
+
+def assert_greedy_tokens_equal_hf(llm: LLM, hf) -> None:
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    outs = smol_llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
     near_ties = 0
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
@@ -99,6 +116,14 @@ def test_logits_plain_prefill_and_decode(smol_llm, hf):
     records = capture_logits(llm)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert assert_teacher_forced_match(hf, outs, records) == 4 * 8
+
+
+def test_logits_plain_prefill_and_decode_compiled(compiled_llm, hf):
+    records = capture_logits(compiled_llm)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    outs = compiled_llm.chat(convs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    compiled_llm.engine.logits_hook = None
     assert assert_teacher_forced_match(hf, outs, records) == 4 * 8
 
 

@@ -206,3 +206,19 @@ def test_auto_counts_the_draft_steps_overhead(tiny_model_dir):
     slower = spec.step_ratios(1, 3)
     for k in (1, 2, 3):
         assert slower[k] == pytest.approx(base[k] + k * 0.5)
+
+
+@pytest.mark.parametrize("name", [None, "ngram-k4", "draft-other-k2"])
+def test_compiled_decode_step_keeps_outputs(name, tiny_model_dir, other_model_dir, reference, sampled_reference):
+    """With ``compile_step`` decode steps run compiled and verification steps eagerly: greedy and
+    seeded sampled outputs still equal the eager non-speculative ones."""
+    from specbatch_kernels.cpu_ops import load_cpu_ops
+
+    assert load_cpu_ops(), "the specbatch CPU ops did not build (a C++ compiler is on every machine we test on)"
+    config = configs(tiny_model_dir, other_model_dir)[name] if name else None
+    llm = LLM(tiny_model_dir, device="cpu", speculative_config=config, compile_step=True)
+    assert llm.engine.runner.compiled is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == sampled_reference
+    assert llm.engine.runner.compiled is not None  # nothing fell back to eager

@@ -1,0 +1,80 @@
+"""Start-up cost of the compiled decode step (``compile_step=True``): cold and warm.
+
+Each start runs in a fresh process over one inductor cache folder: the first finds it empty
+(cold: dynamo traces, inductor compiles the C++ of the graph), the next ones find it filled
+(warm: the FX-graph and AOT caches hit, dynamo still traces). The C++ ops of
+``specbatch_kernels.cpu_ops`` are built beforehand (once per machine, in the project's cache).
+
+    python bench/compile_start.py                 # one cold start, two warm ones
+    python bench/compile_start.py --warm 4 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path.pop(0)  # bench/kernels.py must not shadow the kernels package transformers imports
+
+_CHILD = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+if {threads}:
+    torch.set_num_threads({threads})
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_hub import resolve_model
+imported = time.perf_counter()
+engine = LLMEngine(EngineConfig(model=resolve_model({model!r}), device="cpu", max_num_seqs=8, compile_step=True))
+compiled = engine.runner.compiled
+print(json.dumps({{"ok": compiled is not None, "import_s": imported - start,
+                   "engine_s": time.perf_counter() - imported,
+                   "compile_s": compiled.warmup_s if compiled is not None else None}}))
+"""
+
+
+def start_once(model: str, cache: str, threads: int) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    env["PYTHONPATH"] = os.pathsep.join([_ROOT, os.path.join(_ROOT, "kernels"), env.get("PYTHONPATH", "")])
+    wall = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _CHILD.format(model=model, threads=threads)], env=env,
+                         capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["process_s"] = time.perf_counter() - wall
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--warm", type=int, default=2, help="warm starts after the cold one")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch's choice)")
+    args = parser.parse_args()
+    from bench.machine import describe_machine
+    from engine.model_hub import cache_dir
+    from specbatch_kernels.cpu_ops import load_cpu_ops
+
+    print(describe_machine())
+    print(f"CPU ops built: {load_cpu_ops(cache_dir())}")
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        for i in range(1 + args.warm):
+            kind = "cold" if i == 0 else "warm"
+            r = start_once(args.model, cache, args.threads)
+            print(f"{kind}: decode step compiled in {r['compile_s']:.1f} s; engine built in {r['engine_s']:.1f} s "
+                  f"(imports {r['import_s']:.1f} s, whole process {r['process_s']:.1f} s); compiled: {r['ok']}")
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, _ROOT)
+    sys.path.insert(1, os.path.join(_ROOT, "kernels"))
+    main()
