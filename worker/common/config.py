@@ -248,6 +248,8 @@ ENGINE_VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("ENGINE_SPINCOUNT", "1000", "`GOMP_SPINCOUNT` of the engine process (its OpenMP threads spin this long before sleeping)."),
     ("ENGINE_LOG_LEVEL", "INFO", "Log level of the engine process."),
     ("KERNEL_BACKEND", "", "`torch` or `triton`: the kernels' backend (unset: `triton` on CUDA, `torch` elsewhere)."),
+    ("COMPILE_WEIGHTS", "packed", "With `compile_step`: `packed` (our prepacked linears, called by handle; cached on "
+     "disk) or `frozen` (inductor's freezing, recompiled every start), to measure one against the other."),
     ("FAULTS", "", "Test-only fault switches (a JSON object); inert unless set."),
 )
 
