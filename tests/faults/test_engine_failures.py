@@ -138,7 +138,7 @@ def test_poison_request_fails_alone(workers):
 def test_specbatch_run_restarts_its_local_worker(tiny_model, redis_url, unique_queue, tmp_path):
     """The local worker of ``specbatch run`` dies (its loop, every 30 steps: once for this file's
     ~50 steps) and is restarted with backoff until the file is done; every line gets exactly one
-    result."""
+    result, and none waits for the orphan sweep after a restart."""
     lines = [json.dumps({"custom_id": f"c{i}", "prompt": f"line {i}", "max_tokens": 8, "ignore_eos": True,
                          "temperature": 0}) for i in range(24)]
     src = tmp_path / "in.jsonl"
@@ -157,4 +157,8 @@ def test_specbatch_run_restarts_its_local_worker(tiny_model, redis_url, unique_q
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["custom_id"] for r in rows) == sorted(f"c{i}" for i in range(24))
     assert all(r["error"] is None for r in rows)
-    assert max(stored_results((tmp_path / "worker.log").read_text()).values()) == 1
+    log = (tmp_path / "worker.log").read_text()
+    assert max(stored_results(log).values()) == 1
+    # The dying worker stopped consuming and handed back every message it held before it
+    # exited: no job had to wait for the orphan sweep (90 s) to be seen again.
+    assert "whose message was lost" not in log

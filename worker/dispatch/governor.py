@@ -8,11 +8,16 @@ once they fall back below, so ``reserve`` threads are always free to take intera
 once. It runs in the consumer's thread: on every received message (Celery's ``task_received``)
 and on a short timer, and it cancels and re-adds only the kombu consumer of the bulk queue (the
 queue stays advertised to ``inspect active_queues`` and Flower).
+
+It also stops every lane for good when the process can take no more work (its engine died,
+``stop_taking_messages``): a dying worker that kept consuming handed each message back to
+itself hundreds of times a second until it exited, and took new ones it could only hand back.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from celery import bootsteps, signals
@@ -102,6 +107,11 @@ class LaneGovernor(bootsteps.StartStopStep):
         task_consumer = getattr(c, "task_consumer", None)
         if task_consumer is None:
             return
+        if _stopped.is_set():
+            for queue in list(task_consumer.queues):
+                task_consumer.cancel_by_queue(queue.name)
+            self.paused.clear()
+            return
         names = {q.name for q in self.bulk_queues()} | set(self.paused)
         if not names:
             return
@@ -111,7 +121,7 @@ class LaneGovernor(bootsteps.StartStopStep):
                 self.paused[queue.name] = queue
                 task_consumer.cancel_by_queue(queue.name)
             log.debug("bulk lane paused: %d bulk messages held (cap %d)", held, self.cap)
-        elif held < self.cap and self.paused and not getattr(c, "_specbatch_draining", False):
+        elif held < self.cap and self.paused:
             for name, queue in list(self.paused.items()):
                 task_consumer.add_queue(queue)
                 del self.paused[name]
@@ -120,6 +130,19 @@ class LaneGovernor(bootsteps.StartStopStep):
 
 
 _governors: list[LaneGovernor] = []
+_stopped = threading.Event()  # this process takes no more messages (``stop_taking_messages``)
+
+
+def stop_taking_messages() -> None:
+    """Cancel every lane's consumer at the governor's next check (within 0.1 s, in the
+    consumer's thread, where kombu's consumer may be touched): the messages this process
+    reserved still run (and are handed back), no new one arrives."""
+    _stopped.set()
+
+
+def holding_messages() -> int:
+    """Messages this process has reserved and not yet acked (waiting for or running in a thread)."""
+    return len(state.reserved_requests)
 
 
 def _routing_key(request: Any) -> str | None:

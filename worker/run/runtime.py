@@ -531,17 +531,23 @@ def _unmark_ready() -> None:
 
 
 def _on_engine_death(exc: BaseException) -> None:
-    """The loop thread died: stop taking work; task threads give their jobs back (they get
-    ``EngineDied``); once they have, exit non-zero so the supervisor restarts us."""
+    """The loop thread died: stop taking messages; task threads give their jobs back (they get
+    ``EngineDied``) and hand back the messages this process had reserved; once all of them are
+    acked, exit non-zero so the supervisor restarts us. Exiting while messages were still
+    reserved left them in Redis's unacked index, and their jobs waited for the orphan sweep
+    (90 s) before any worker saw them again."""
+    from worker.dispatch.governor import holding_messages, stop_taking_messages
+
     rt = _runtime
     if rt is not None:
         rt.dead = True
+    stop_taking_messages()
     _unmark_ready()
     _record_state("failed", f"engine loop died: {exc!r}")
 
     def exit_when_given_back() -> None:
         deadline = time.monotonic() + 30.0
-        while rt is not None and rt.inflight and time.monotonic() < deadline:
+        while (rt is not None and rt.inflight or holding_messages()) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # let the task threads' acks go out
         _exit(EXIT_ENGINE_DIED, f"engine loop died: {exc!r}")
