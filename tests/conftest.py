@@ -21,6 +21,12 @@ import pytest  # noqa: E402
 
 from engine.model_hub import resolve_model  # noqa: E402
 from tests.helpers.tiny_models import make_tiny_model  # noqa: E402
+from tests.ordering import waiting_tests_first  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    items[:] = waiting_tests_first(items, workers)
 
 
 @pytest.fixture(scope="session")

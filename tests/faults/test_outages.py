@@ -31,6 +31,7 @@ def rows(n: int, tokens: int, prefix: str = "job") -> list[dict]:
              "ignore_eos": True, "temperature": 0} for i in range(n)]
 
 
+@pytest.mark.waits(24)
 def test_sigterm_drains_then_gives_back_at_once(workers):
     client = client_for(workers.settings)
     first = workers.start(env=SLOW)
@@ -84,6 +85,7 @@ def run_through_outage(settings: Settings, tmp_path, name: str, outage, after=la
         group.stop_all()
 
 
+@pytest.mark.waits(27)
 @pytest.mark.parametrize("persistent", [False, True], ids=["no-persistence", "append-only-file"])
 def test_redis_restarted(persistent, sqlite_url, unique_queue, tiny_model, tmp_path, monkeypatch):
     # Two jobs a message (the producer publishes them): 30 messages, more than the two workers
@@ -107,6 +109,7 @@ def test_redis_restarted(persistent, sqlite_url, unique_queue, tiny_model, tmp_p
         redis_server.kill()
 
 
+@pytest.mark.waits(55)
 def test_database_cut_for_20_seconds(pg_url, redis_url, unique_queue, tiny_model, tmp_path):
     url = make_url(pg_url)
     proxy = TcpProxy(url.port or 5432)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.faults.conftest import FAST_RECOVERY_ENV, process_gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +38,7 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+@pytest.mark.waits(35)
 def test_a_run_killed_mid_way_leaves_valid_jsonl_that_a_rerun_completes_once(redis_url, sqlite_url, unique_queue,
                                                                              tiny_model, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -8,6 +8,8 @@ import random
 import signal
 import time
 
+import pytest
+
 from tests.faults.conftest import LEASE, SWEEP, engine_pid, process_gone, stored_results, wait_until
 from worker.api.client import Client
 from worker.store.models import RUNNING, SUCCEEDED
@@ -18,6 +20,7 @@ SLOW = {"SPECBATCH_FAULTS": '{"step_sleep_s": 0.02}'}  # a slower model, so a ba
 RECOVERY_BOUND = LEASE + SWEEP + 2.0
 
 
+@pytest.mark.waits(110)
 def test_sigkill_five_times_every_job_once(workers):
     client = Client(broker_url=workers.settings.broker_url, database_url=workers.settings.database_url,
                     model=workers.settings.model, queue=workers.settings.queue)
