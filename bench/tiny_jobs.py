@@ -148,7 +148,8 @@ class QueuePath:
             "claimed->scheduled": sum(j.first_scheduled_at - j.started_at for j in done) / len(done),
             "scheduled->finished": sum(j.finished_at - j.first_scheduled_at for j in done) / len(done),
         }
-        return {"jobs_s": len(jobs) / window, "wall_s": wall, "window_s": window, "counts": counts, "parts": parts,
+        batch = sum(j.max_batch_size or 0 for j in done) / len(done)
+        return {"jobs_s": len(jobs) / window, "batch": batch, "wall_s": wall, "window_s": window, "counts": counts, "parts": parts,
                 "worker_cpu_ms": 1e3 * (cpu1[0] - cpu0[0]) / len(jobs),
                 "engine_cpu_ms": 1e3 * (cpu1[1] - cpu0[1]) / len(jobs)}
 
@@ -203,7 +204,7 @@ def main() -> None:
                           f"{q['counts']}): {ratios[-1]:.2f}x", flush=True)
                     print("    mean s per job: " + ", ".join(f"{k} {v:.3f}" for k, v in q["parts"].items()) +
                           f"; CPU per job: worker process {q['worker_cpu_ms']:.1f} ms, engine process "
-                          f"{q['engine_cpu_ms']:.1f} ms", flush=True)
+                          f"{q['engine_cpu_ms']:.1f} ms; mean engine batch a job ran in {q['batch']:.1f}", flush=True)
             finally:
                 queue_path.close()
             print(f"[{db}] ratio queue / in process: median {statistics.median(ratios):.2f}x over {len(ratios)} "

@@ -133,20 +133,43 @@ class EngineLoop:
         """Validate a request (``LLMEngine.make_request``, whose keywords it takes: messages,
         params, request_id, arrival_time, cache_salt, priority) and queue it; it joins the running
         batch at the next step."""
+        result = self.submit_many([dict(fields, prompt=prompt)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def submit_many(self, requests: list[dict[str, Any]]) -> list[RequestHandle | ValueError]:
+        """``submit`` for several requests (each a dict of its keywords) that join the running batch
+        at the same step: a handle for each, or the ``ValueError`` that refused it. Why together:
+        a worker submitting a message's 32 jobs one by one made the loop step on the first few
+        (mean batch 33 of 64 with one-token jobs) while the rest were still on their way.
+        A loop that is shutting down refuses them all (``RuntimeError``)."""
         if not self._accepting:
             raise RuntimeError("the engine loop is shutting down")
         if self.engine is None:  # built by the loop thread: wait for it
             self._ready.wait()
             if self.engine is None:
                 raise RuntimeError(f"the engine could not be built: {self.error!r}")
-        request = self.engine.make_request(prompt, **fields)
-        handle = RequestHandle(request.request_id)
+        results: list[RequestHandle | ValueError] = []
+        accepted: list[tuple[Any, RequestHandle]] = []
+        for fields in requests:
+            fields = dict(fields)
+            try:
+                request = self.engine.make_request(fields.pop("prompt", None), **fields)
+            except ValueError as exc:
+                results.append(exc)
+                continue
+            handle = RequestHandle(request.request_id)
+            accepted.append((request, handle))
+            results.append(handle)
         with self._accept_lock:
             if not self._accepting:
                 raise RuntimeError("the engine loop is shutting down")
-            self._inbox.put(("add", request, handle))
-        self._wakeup.set()
-        return handle
+            for request, handle in accepted:
+                self._inbox.put(("add", request, handle))
+        if accepted:
+            self._wakeup.set()
+        return results
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))

@@ -157,34 +157,56 @@ class EngineProcess:
         """``shutdown`` was called: a loop that stops now stopped cleanly, it did not die."""
         return self._stopping
 
-    def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-               params: Any = None, request_id: str | None = None, arrival_time: float | None = None,
-               cache_salt: str | None = None, priority: int = 0) -> ProcessRequestHandle:
+    def submit(self, prompt: str | list[int] | None = None, **fields: Any) -> ProcessRequestHandle:
         """Validate and queue a request in the child; bad input raises ``ValueError`` here."""
+        result = self.submit_many([dict(fields, prompt=prompt)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def submit_many(self, requests: list[dict[str, Any]]) -> list[ProcessRequestHandle | ValueError]:
+        """``EngineLoop.submit_many`` in the child, in one round trip: a handle for each request,
+        or the ``ValueError`` that refused it. A message's jobs submitted one round trip each
+        reached the child's loop a few at a time (see ``EngineLoop.submit_many``)."""
         if not self._accepting or self.error is not None:
             raise RuntimeError("the engine is shutting down" if self.error is None
                                else f"the engine died: {self.error!r}")
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        handle = ProcessRequestHandle(request_id)
-        reply: Future = Future()
+        results: list[ProcessRequestHandle | ValueError] = []
+        sent: list[tuple[str, dict[str, Any]]] = []
+        waiting: list[tuple[int, str, Future]] = []
+        now = time.time()
         with self._lock:
-            if request_id in self._handles:
-                raise ValueError(f"request {request_id!r} is already running")
-            self._handles[request_id] = handle
-            self._replies[request_id] = reply
-        args = dict(prompt=prompt, messages=messages, params=params, request_id=request_id,
-                    arrival_time=arrival_time or time.time(), cache_salt=cache_salt, priority=priority)
+            for fields in requests:
+                request_id = fields.get("request_id")
+                request_id = request_id if request_id is not None else uuid.uuid4().hex
+                if not isinstance(request_id, str):
+                    results.append(ValueError(f"request_id must be a string, got {type(request_id).__name__}"))
+                    continue
+                if request_id in self._handles:
+                    results.append(ValueError(f"request {request_id!r} is already running"))
+                    continue
+                handle = self._handles[request_id] = ProcessRequestHandle(request_id)
+                reply = self._replies[request_id] = Future()
+                waiting.append((len(results), request_id, reply))
+                results.append(handle)
+                sent.append((request_id, dict(fields, request_id=request_id,
+                                              arrival_time=fields.get("arrival_time") or now)))
+        if not sent:
+            return results
         try:
-            self._send(("submit", request_id, args))
-            reply.result(REPLY_TIMEOUT_SECONDS)
+            self._send(("submit_many", sent))
+            for index, _request_id, reply in waiting:
+                try:
+                    reply.result(REPLY_TIMEOUT_SECONDS)
+                except ValueError as exc:  # this request refused (the reader dropped its handle)
+                    results[index] = exc
         except BaseException:
             with self._lock:
-                self._handles.pop(request_id, None)
-                self._replies.pop(request_id, None)
+                for _index, request_id, _reply in waiting:
+                    self._handles.pop(request_id, None)
+                    self._replies.pop(request_id, None)
             raise
-        return handle
+        return results
 
     def abort(self, request_id: str) -> None:
         try:
@@ -254,16 +276,11 @@ class EngineProcess:
                         handle = self._handles.pop(message[1], None)
                     if handle is not None and not handle.done():
                         handle.future.set_exception(message[2])
-                elif kind in ("accepted", "rejected", "reply"):
-                    with self._lock:
-                        reply = self._replies.pop(message[1], None)
-                        if kind == "rejected":
-                            self._handles.pop(message[1], None)
-                    if reply is not None:
-                        if kind == "rejected":
-                            reply.set_exception(message[2])
-                        else:
-                            reply.set_result(message[2] if kind == "reply" else None)
+                elif kind == "answers":  # to a submit_many: (request id, None or the refusal), each
+                    for request_id, refusal in message[1]:
+                        self._answer(request_id, refusal is None, refusal)
+                elif kind in ("rejected", "reply"):
+                    self._answer(message[1], kind == "reply", message[2])
                 elif kind == "steps":
                     self._observe_steps(message[1])
                 elif kind == "ready":
@@ -278,6 +295,18 @@ class EngineProcess:
             pass
         finally:
             self._on_child_gone(died)
+
+    def _answer(self, key: str, ok: bool, value: Any) -> None:
+        """Resolve the reply awaited under ``key``; a refused submission drops its handle."""
+        with self._lock:
+            reply = self._replies.pop(key, None)
+            if not ok:
+                self._handles.pop(key, None)
+        if reply is not None:
+            if ok:
+                reply.set_result(value)
+            else:
+                reply.set_exception(value)
 
     def _observe_steps(self, steps: list[tuple[float, int, int]]) -> None:
         if self.on_step is None:
@@ -431,15 +460,17 @@ def _serve(conn: Connection, factory: Callable[[], Any], observe_steps: bool) ->
         except (EOFError, OSError):  # the worker is gone: nobody is left to answer
             os._exit(0)
         kind = message[0]
-        if kind == "submit":
-            _, request_id, args = message
+        if kind == "submit_many":
+            ids = [request_id for request_id, _ in message[1]]
             try:
-                handle = loop.submit(**args)
-            except BaseException as exc:
-                sender.send(("rejected", request_id, _picklable(exc)))
-                continue
-            sender.send(("accepted", request_id))
-            handle.future.add_done_callback(lambda future, rid=request_id: _forward(sender, rid, future))
+                results = loop.submit_many([fields for _, fields in message[1]])
+            except BaseException as exc:  # the loop refuses everything (shutting down, dead)
+                results = [exc] * len(ids)
+            sender.send(("answers", [(request_id, _picklable(r) if isinstance(r, BaseException) else None)
+                                     for request_id, r in zip(ids, results)]))
+            for request_id, result in zip(ids, results):  # after the answers: an output never comes first
+                if not isinstance(result, BaseException):
+                    result.future.add_done_callback(lambda future, rid=request_id: _forward(sender, rid, future))
         elif kind == "abort":
             loop.abort(message[1])
         elif kind in ("stats", "pieces"):

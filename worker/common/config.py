@@ -176,7 +176,7 @@ class Settings:
                                   group="queue")
     pacing_seconds: float = _setting("PACING_SECONDS", 0.5, "How often the pacer tops the queues up.", float,
                                      group="queue")
-    group_jobs: int = _setting("GROUP_JOBS", 32, "Short jobs of one batch a message may carry.", int, group="queue")
+    group_jobs: int = _setting("GROUP_JOBS", 64, "Short jobs of one batch a message may carry (64: one engine batch at the default max-num-seqs).", int, group="queue")
     group_tokens: int = _setting("GROUP_TOKENS", 256, "Tokens to generate a group message may carry in all.", int,
                                  group="queue")
     sweep_seconds: float = _setting("SWEEP_SECONDS", 10.0, "How often the reaper looks for expired leases and "

@@ -150,22 +150,18 @@ def _run_held(task, rt: runtime.Runtime, store, job_ids: list[str], queue: str, 
         job_ids, worker=worker, device=rt.label, lease_s=rt.settings.lease_seconds,
         max_attempts=rt.settings.max_attempts, queue=queue))
     outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(job_ids)
-    running: list[Running] = []
+    won: list[tuple[int, str, Claim]] = []
     for index, (job_id, claim) in enumerate(zip(job_ids, claims)):
         if isinstance(claim, Exception):
             log.warning("job %s not claimed: %r", job_id, claim)
             outcomes[index] = (f"skipped: claim failed: {claim!r}"[:200], None)
-            continue
-        if not claim.ok:
+        elif not claim.ok:
             log.info("job %s skipped: %s", job_id, claim.reason)
             outcomes[index] = (f"skipped: {claim.reason}", None)
-            continue
-        try:
-            started = start_claimed(rt, store, index, job_id, claim.attempt, claim.job)
-        except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
-            log.exception("job %s attempt %s crashed in the worker", job_id, claim.attempt)
-            started = (give_back(rt, store, job_id, claim.attempt, claim.job, f"worker error: {exc!r}",
-                                 forgive=False), None)
+        else:
+            won.append((index, job_id, claim))
+    running: list[Running] = []
+    for (index, _job_id, _claim), started in zip(won, start_claimed(rt, store, won)):
         if isinstance(started, Running):
             running.append(started)
         else:
@@ -208,12 +204,52 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: int,
-                  job: dict[str, Any]) -> Running | tuple[str, dict[str, Any] | None]:
-    """Submit a claimed job (``job``: the request columns its claim returned) to the engine
-    (``Running``), or say at once what happened to it (failed as invalid or for the wrong model,
-    given back) and the result columns written."""
-    request_id = f"{job_id}#{attempt}"
+Started = Running | tuple[str, dict[str, Any] | None]
+
+
+def start_claimed(rt: runtime.Runtime, store, claimed: list[tuple[int, str, Claim]]) -> list[Started]:
+    """Submit a message's claimed jobs (index, job id, claim: whose ``job`` holds the request
+    columns) to the engine in one call, so they join the same step; for each, its ``Running``
+    or what happened to it at once (failed as invalid or for the wrong model, given back)."""
+    started: list[Started | None] = [None] * len(claimed)
+    submitting: list[tuple[int, Any]] = []  # (position in claimed, WorkRequest)
+    for pos, (_index, job_id, claim) in enumerate(claimed):
+        try:
+            started[pos] = _refused(rt, store, job_id, claim.attempt, claim.job)
+            if started[pos] is None:
+                submitting.append((pos, request_from_row(claim.job)))
+        except ValueError as exc:  # bad input: fail this job only, never retry it
+            started[pos] = _invalid(store, job_id, claim.attempt, exc)
+        except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
+            started[pos] = _crashed(rt, store, job_id, claim.attempt, claim.job, exc)
+    if submitting:
+        requests = [dict(prompt=req.prompt, messages=req.messages, params=req.params,
+                         request_id=f"{claimed[pos][1]}#{claimed[pos][2].attempt}", priority=req.priority)
+                    for pos, req in submitting]
+        try:
+            handles: list[Any] = rt.loop.submit_many(requests)
+            why = None
+        except RuntimeError as exc:  # the loop is shutting down or dead
+            why = f"engine unavailable: {exc}"
+        except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
+            why = f"engine unavailable: {exc!r}"
+        for n, (pos, req) in enumerate(submitting):
+            index, job_id, claim = claimed[pos]
+            try:
+                if why is not None:
+                    started[pos] = (give_back(rt, store, job_id, claim.attempt, claim.job, why, forgive=True), None)
+                elif isinstance(handles[n], ValueError):
+                    started[pos] = _invalid(store, job_id, claim.attempt, handles[n])
+                else:
+                    started[pos] = _running(rt, store, index, job_id, claim, req, requests[n]["request_id"], handles[n])
+            except Exception as exc:
+                started[pos] = _crashed(rt, store, job_id, claim.attempt, claim.job, exc)
+    return started  # type: ignore[return-value]
+
+
+def _refused(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[str, Any]) -> Started | None:
+    """What happens at once to a job this worker must not run (the wrong model; a worker that
+    is draining or whose engine is gone), or None: it goes to the engine."""
     if not serves(rt.model, rt.settings.served_names, job["model"]):
         with_db_retry("fail", lambda: store.fail(
             job_id, attempt, f"this worker serves {rt.model!r}, not {job['model']!r}", "wrong_model"),
@@ -222,20 +258,25 @@ def start_claimed(rt: runtime.Runtime, store, index: int, job_id: str, attempt: 
     if rt.dead or rt.draining or not rt.loop.running:
         why = "drained: the worker is shutting down" if rt.draining else "engine unavailable: worker stopping"
         return give_back(rt, store, job_id, attempt, job, why, forgive=True), None
-    try:
-        req = request_from_row(job)
-        handle = rt.loop.submit(req.prompt, messages=req.messages, params=req.params, request_id=request_id,
-                                priority=req.priority)
-    except ValueError as exc:  # bad input: fail this job only, never retry it
-        with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"), until_written=True)
-        return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
-    except RuntimeError as exc:  # the loop is shutting down or dead
-        return give_back(rt, store, job_id, attempt, job, f"engine unavailable: {exc}", forgive=True), None
-    except OSError as exc:  # the engine process's pipe broke: it is dying (``give_back`` names why)
-        return give_back(rt, store, job_id, attempt, job, f"engine unavailable: {exc!r}", forgive=True), None
+    return None
+
+
+def _invalid(store, job_id: str, attempt: int, exc: ValueError) -> Started:
+    with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"), until_written=True)
+    return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
+
+
+def _crashed(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[str, Any], exc: Exception) -> Started:
+    log.error("job %s attempt %s crashed in the worker", job_id, attempt, exc_info=exc)
+    return give_back(rt, store, job_id, attempt, job, f"worker error: {exc!r}", forgive=False), None
+
+
+def _running(rt: runtime.Runtime, store, index: int, job_id: str, claim: Claim, req: Any, request_id: str,
+             handle: Any) -> Running:
     rt.add_inflight(job_id, request_id)
-    rt.heartbeats(store, rt.settings.heartbeat_seconds).track(job_id, attempt, request_id)  # one thread refreshes every lease
-    return Running(index, job_id, attempt, job, req, request_id, handle, time.time() + rt.settings.max_job_seconds)
+    rt.heartbeats(store, rt.settings.heartbeat_seconds).track(job_id, claim.attempt, request_id)  # one thread refreshes every lease
+    return Running(index, job_id, claim.attempt, claim.job, req, request_id, handle,
+                   time.time() + rt.settings.max_job_seconds)
 
 
 def engine_death(rt: runtime.Runtime, wait_s: float = 5.0) -> BaseException | None:
