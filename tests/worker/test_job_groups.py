@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from worker.common.config import settings
 from worker.dispatch.publish import GROUP_HEADER, generation_budget, job_groups, queued_job_ids
 
 
@@ -58,10 +59,12 @@ def test_a_batch_of_short_jobs_becomes_few_messages_and_the_sweep_sees_every_job
         raw = r.lrange(unique_queue, 0, -1)
         messages = [json.loads(m) for m in raw]
         tasks = sorted(m["headers"]["task"] for m in messages)
-        # 100 one-token jobs: 4 group messages (32 + 32 + 32 + 4); the long ones alone.
-        assert tasks == ["specbatch.generate"] * 3 + ["specbatch.generate_group"] * 4, tasks
+        # 100 one-token jobs: group messages of K (64 by default) and the rest; the long ones alone.
+        k = settings().group_jobs
+        sizes = [k] * (100 // k) + ([100 % k] if 100 % k else [])
+        assert tasks == ["specbatch.generate"] * 3 + ["specbatch.generate_group"] * len(sizes), tasks
         groups = [m["headers"][GROUP_HEADER] for m in messages if m["headers"]["task"] == "specbatch.generate_group"]
-        assert sorted(len(g) for g in groups) == [4, 32, 32, 32]
+        assert sorted(len(g) for g in groups) == sorted(sizes)
         assert queued_job_ids(r, unique_queue) == ids  # the orphan sweep finds every job in them
         # A message carries its job ids and nothing else of them: the store holds the requests.
         bodies = {m["headers"]["id"]: json.loads(base64.b64decode(m["body"])) for m in messages}
@@ -89,16 +92,18 @@ def test_the_pacing_window_counts_messages_and_asks_a_batch_for_as_many_jobs_as_
     client = Client(broker_url=redis_url, database_url=sqlite_url, model="tiny", queue=unique_queue)
     r = redis.Redis.from_url(redis_url)
     try:
-        sub = client.submit_batch([{"custom_id": f"s{i}", "prompt": f"short {i}", "max_tokens": 1} for i in range(500)])
+        k = settings().group_jobs  # jobs a message carries (64 by default)
+        rows = [{"custom_id": f"s{i}", "prompt": f"short {i}", "max_tokens": 1} for i in range(10 * k + 50)]
+        sub = client.submit_batch(rows)
         # A job a message asked for first (nothing known of the batch yet): 4 jobs, one message;
-        # then 32 a message for the 3 left: 4 messages, 100 jobs.
-        assert r.llen(unique_queue) == 4 and sub.published == 4 + 3 * 32
+        # then K a message for the 3 left: 4 messages, 4 + 3K jobs.
+        assert r.llen(unique_queue) == 4 and sub.published == 4 + 3 * k
         assert len(queued_job_ids(r, unique_queue)) == sub.published
         r.delete(unique_queue)  # as if a worker took them
         pacer = Pacer(client.store, client.app, lane_queues(unique_queue))  # a worker's, long-lived
-        assert pacer.tick() == 4 + 3 * 32 and r.llen(unique_queue) == 4
+        assert pacer.tick() == 4 + 3 * k and r.llen(unique_queue) == 4
         r.delete(unique_queue)
-        assert pacer.tick() == 4 * 32 and r.llen(unique_queue) == 4  # learnt: 32 jobs a message
+        assert pacer.tick() == 4 * k and r.llen(unique_queue) == 4  # learnt: K jobs a message
     finally:
         r.delete(unique_queue)
 
