@@ -15,7 +15,7 @@ _WHERE = {
     "EngineConfig": "engine.config",
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
-    "EngineDied": "engine.loop",
+    "EngineDied": "engine.errors",
     "EngineLoop": "engine.loop",
     "RequestHandle": "engine.loop",
     "CompletionOutput": "engine.outputs",
@@ -46,7 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
-    from engine.loop import EngineDied, EngineLoop, RequestHandle
+    from engine.errors import EngineDied
+    from engine.loop import EngineLoop, RequestHandle
     from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from engine.sampling_params import SamplingParams
     from engine.spec.config import SpeculativeConfig

@@ -14,16 +14,12 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
+from engine.errors import EngineDied
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 _DONE = object()
-
-
-class EngineDied(RuntimeError):
-    """The loop thread crashed before this request finished: nothing about the request is
-    known to be wrong, so callers should hand it to another engine rather than fail it."""
 
 
 class RequestHandle:

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 from celery.worker.control import control_command
 
 from . import runtime
+from engine.errors import EngineDied
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
 from worker.common.config import serves
 from worker.store.dbretry import with_db_retry
@@ -50,8 +51,6 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[s
     """Put a claimed job back in the queue at once (queued, a new message), not failed."""
     death = engine_death(rt)
     if death is not None:  # whatever the task saw (a refused submit, a broken pipe), the death is why
-        from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
-
         died = str(death) if isinstance(death, EngineDied) else f"engine loop died: {death!r}"
         reason = reason if died in reason else died
     if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive),
@@ -301,8 +300,6 @@ def wait_and_store(rt: runtime.Runtime, store,
                    running: list[Running]) -> Iterator[tuple[int, tuple[str, dict[str, Any] | None]]]:
     """Wait for the running jobs; store each result as it finishes (those finishing together
     in one write) and yield (index, (what happened, the result columns written))."""
-    from engine.loop import EngineDied  # lazily: Flower imports this module and needs no torch
-
     heartbeat = rt.heartbeats(store, rt.settings.heartbeat_seconds)
     pending = {r.request_id: r for r in running}
     try:
