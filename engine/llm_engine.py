@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import StopChecker
 from engine.faults import Faults
 from engine.loader import eos_token_ids, load_model, load_tokenizer
+from engine.messages import check_messages
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import SampleRow, Sampler, fresh_seed
@@ -167,13 +168,7 @@ class LLMEngine:
         )
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {role, content} objects")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-            if not isinstance(message.get("content"), str):
-                raise ValueError(f"messages[{i}].content must be a string")
+        check_messages(messages)
         with self._tokenizer_lock:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -166,9 +166,12 @@ def test_a_prompt_the_producer_tokenized_reaches_the_engine_as_its_ids_and_is_no
     """A prompt whose length had to be counted (too many bytes to be proven to fit) is stored
     with the producer's token ids; the claim hands the engine those ids, equal to what the engine
     would make of the text or conversation itself. A prompt proven to fit travels as its text
-    and is tokenized once, by the engine."""
+    and is tokenized once, by the worker process (``runtime.prompt_tokenizer``, a message's jobs
+    in one call), into the engine's own ids."""
     from worker.request.convert import request_from_row
     from worker.request.validate import TokenCounter
+    from worker.run.runtime import prompt_tokenizer
+    from worker.run.tasks import tokenized
 
     long_text = "The quick brown fox jumps over the lazy dog. " * 8  # 360 bytes, under 128 tokens
     chat = [{"role": "system", "content": "Answer in one word. " * 6}, {"role": "user", "content": long_text}]
@@ -192,6 +195,45 @@ def test_a_prompt_the_producer_tokenized_reaches_the_engine_as_its_ids_and_is_no
             assert made.prompt_token_ids == expected[job.custom_id]
         else:
             assert request.prompt == {"short": "hi", "ids": [5, 6, 7]}[job.custom_id]
+        (_, sent), = tokenized(prompt_tokenizer(smollm2_dir), [(0, request)])
+        as_given = {"short": engine.make_request("hi").prompt_token_ids, "ids": [5, 6, 7]}
+        assert sent.messages is None and sent.prompt == (expected[job.custom_id] or as_given[job.custom_id])
+
+
+def test_the_worker_tokenizes_a_message_s_prompts_into_the_engine_s_ids(tiny_model_dir, tmp_path):
+    """What the worker process sends its engine: text prompts and conversations as the engine's
+    own token ids, all of a message's in one call; token ids as they came; what the tokenizer
+    cannot take (an empty prompt, a conversation the template refuses) as it came, for the
+    engine to refuse in its own words. No tokenizer where loading it would import torch (a
+    model's own tokenizer class) or where the model is not a local folder: the engine tokenizes."""
+    import shutil
+
+    from engine import LLM, SamplingParams
+    from worker.request.convert import WorkRequest
+    from worker.run.runtime import prompt_tokenizer
+    from worker.run.tasks import tokenized
+
+    counter = prompt_tokenizer(tiny_model_dir)
+    params = SamplingParams(max_tokens=1)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is it fine? é"}]
+    refused = [{"role": "user", "content": "a"}, {"role": "user", "content": 3}]
+    given = [WorkRequest("hello there", None, params), WorkRequest(None, chat, params), WorkRequest([5, 6], None, params),
+             WorkRequest("", None, params), WorkRequest(None, refused, params)]
+    sent = [req for _, req in tokenized(counter, list(enumerate(given)))]
+    engine = LLM(tiny_model_dir, device="cpu", max_num_seqs=4).engine
+    assert sent[0].prompt == engine.make_request("hello there").prompt_token_ids and sent[0].messages is None
+    assert sent[1].prompt == engine.make_request(messages=chat).prompt_token_ids and sent[1].messages is None
+    assert sent[2:] == given[2:]
+    with pytest.raises(ValueError):
+        engine.make_request(messages=refused)
+    assert tokenized(None, list(enumerate(given))) == list(enumerate(given))
+
+    own_class = tmp_path / "own-class"
+    shutil.copytree(tiny_model_dir, own_class)
+    config = json.loads((own_class / "tokenizer_config.json").read_text())
+    (own_class / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    assert prompt_tokenizer(str(own_class)) is None
+    assert prompt_tokenizer("an-org/a-model-on-the-hub") is None
 
 
 def test_a_logit_bias_that_leaves_no_token_is_refused_at_validation(producer, tiny_model_dir, tmp_path):

@@ -181,6 +181,11 @@ class WorkRequest:
     params: SamplingParams
     priority: int = 1  # the engine's scheduling priority (worker.dispatch.lanes); bulk when unset
 
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt when it is token ids (what ``TokenCounter.tokenize_many`` reads)."""
+        return self.prompt if isinstance(self.prompt, list) else None
+
 
 def request_from_row(job: dict[str, Any]) -> WorkRequest:
     """The engine request a claimed job's row describes (``Claim.job``: ``CLAIM_FIELDS``).

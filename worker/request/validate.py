@@ -144,12 +144,17 @@ def token_count(measure: Measure) -> int | Exception:
     return len(measure) if isinstance(measure, list) else measure
 
 
+def is_generic_tokenizer(path: Path) -> bool:
+    """Whether the model at ``path`` saved the generic fast tokenizer (loaded without torch)."""
+    config_file = path / "tokenizer_config.json"
+    saved = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    return saved in GENERIC_TOKENIZERS and (path / "tokenizer.json").exists()
+
+
 def load_tokenizer(path: Path) -> Any:
     """The model's tokenizer as ``AutoTokenizer`` loads it: the generic fast tokenizer when that
     is what was saved (no torch import), else through ``AutoTokenizer`` (a model's own class)."""
-    config_file = path / "tokenizer_config.json"
-    saved = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
-    if saved in GENERIC_TOKENIZERS and (path / "tokenizer.json").exists():
+    if is_generic_tokenizer(path):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(path))
@@ -161,3 +166,12 @@ def load_tokenizer(path: Path) -> Any:
 @lru_cache(maxsize=4)
 def token_counter(model: str) -> TokenCounter:
     return TokenCounter(model)
+
+
+def torch_free_counter(model: str) -> TokenCounter | None:
+    """The model's ``TokenCounter`` when its tokenizer loads without torch (what a worker
+    process may hold: it never imports torch), else None; the model must be resolved already
+    (the worker's engine fetched and converted it)."""
+    from engine.model_hub import resolve_model
+
+    return TokenCounter(model) if is_generic_tokenizer(Path(resolve_model(model))) else None

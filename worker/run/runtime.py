@@ -183,6 +183,7 @@ class Runtime:
     dead: bool = False  # the engine loop died: take nothing more, give everything back, exit
     group_slots: "JobSlots" = field(default_factory=lambda: JobSlots(group_slot_count()))
     settings: Settings = field(default_factory=settings)  # the process's, read once; its tasks read them here
+    tokenizer: Any = None  # a TokenCounter once loaded: prompts tokenized here, not in the engine (``prompt_tokenizer``)
 
     def heartbeats(self, store: Any, interval: float) -> Any:
         """The process's one ``Heartbeat`` (refreshing every running job's lease), started once."""
@@ -275,7 +276,33 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs_g
                                  on_step=metrics.observe_step if metrics else None)
         _runtime = Runtime(model=model, device=engine_device, label=label, loop=loop,
                            queue=s.but(model=model).queue_name, metrics=metrics)
+        threading.Thread(target=_load_prompt_tokenizer, args=(_runtime,), name="specbatch-tokenizer", daemon=True).start()
         return _runtime
+
+
+def _load_prompt_tokenizer(rt: Runtime) -> None:
+    """Load the worker's tokenizer beside the first jobs (~0.7 s, most of it importing
+    transformers): until it is there the engine tokenizes, with the same ids."""
+    rt.tokenizer = prompt_tokenizer(rt.model)
+
+
+def prompt_tokenizer(model: str) -> Any:
+    """The model's tokenizer in the worker process, or None (the engine tokenizes).
+
+    A prompt the producer did not tokenize (one proven to fit the context is only bounded at
+    ingest) is tokenized here, a message's jobs in one batched call, and reaches the engine as
+    token ids: the engine process steps the model in one thread, and every prompt it tokenizes
+    is CPU time taken from its steps (15% of it with one-token jobs on a tiny model), while the
+    worker process has time to spare (vLLM tokenizes in its front-end process for the same
+    reason). Only a tokenizer that loads without torch qualifies: the worker process never
+    imports torch. The ids are the engine's own (``TokenCounter.tokenize_many``)."""
+    from worker.request.validate import torch_free_counter
+
+    try:
+        return torch_free_counter(model)
+    except Exception as exc:  # the engine tokenizes as before: slower, never wrong
+        log.warning("prompts will be tokenized by the engine: the tokenizer did not load here (%r)", exc)
+        return None
 
 
 def engine_in_own_process() -> bool:

@@ -18,20 +18,21 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from celery.worker.control import control_command
 
 from . import runtime
 from engine.errors import EngineDied
+from engine.messages import well_formed
 from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
 from worker.common.config import serves
 from worker.store.dbretry import with_db_retry
 from worker.request.logprobs import Pieces, pack
 from worker.store.models import FAILED, SUCCEEDED
 from worker.dispatch.publish import message_job_ids, publish_groups, publish_jobs
-from worker.request.convert import request_from_row
+from worker.request.convert import WorkRequest, request_from_row
 from worker.store.leases import Claim
 
 log = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ def start_claimed(rt: runtime.Runtime, store, claimed: list[tuple[int, str, Clai
         except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
             started[pos] = _crashed(rt, store, job_id, claim.attempt, claim.job, exc)
     if submitting:
+        submitting = tokenized(rt.tokenizer, submitting)
         requests = [dict(prompt=req.prompt, messages=req.messages, params=req.params,
                          request_id=f"{claimed[pos][1]}#{claimed[pos][2].attempt}", priority=req.priority)
                     for pos, req in submitting]
@@ -244,6 +246,23 @@ def start_claimed(rt: runtime.Runtime, store, claimed: list[tuple[int, str, Clai
             except Exception as exc:
                 started[pos] = _crashed(rt, store, job_id, claim.attempt, claim.job, exc)
     return started  # type: ignore[return-value]
+
+
+def tokenized(tokenizer: Any, submitting: list[tuple[int, WorkRequest]]) -> list[tuple[int, WorkRequest]]:
+    """The requests with their text prompts and conversations as token ids, tokenized in one
+    batched call (``runtime.prompt_tokenizer``); a malformed conversation, an empty prompt or one
+    the tokenizer fails on goes to the engine as it came, which refuses it in its own words."""
+    todo = [n for n, (_pos, req) in enumerate(submitting)
+            if well_formed(req.messages) or (req.messages is None and isinstance(req.prompt, str) and req.prompt)]
+    if tokenizer is None or not todo:
+        return submitting
+    ids = tokenizer.tokenize_many([submitting[n][1] for n in todo])
+    out = list(submitting)
+    for n, got in zip(todo, ids):
+        if isinstance(got, list) and got:
+            pos, req = submitting[n]
+            out[n] = (pos, replace(req, prompt=got, messages=None))
+    return out
 
 
 def _refused(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[str, Any]) -> Started | None:
