@@ -277,22 +277,46 @@ def _claimed(row: dict) -> dict:
     return json.loads(json.dumps({k: row.get(k) for k in CLAIM_FIELDS}))
 
 
-def _engine_request(tiny_engine, claimed: dict):
-    """The two calls a worker's task makes: ``request_from_row``, then the engine's ``make_request``."""
+@pytest.fixture(scope="module")
+def worker_tokenizer(tiny_model_dir):
+    from worker.run.runtime import prompt_tokenizer
+
+    return prompt_tokenizer(tiny_model_dir)
+
+
+def _engine_request(tiny_engine, claimed: dict, tokenizer=None):
+    """The calls a worker's task makes: ``request_from_row``, its tokenizer (``tokenized``), then
+    the engine's ``make_request``; the request the engine would have made of the row as it is
+    must be the same, or both refused."""
+    from worker.run.tasks import tokenized
+
     req = request_from_row(claimed)
-    return tiny_engine.make_request(req.prompt, messages=req.messages, params=req.params, request_id="j#1")
+    try:
+        direct = tiny_engine.make_request(req.prompt, messages=req.messages, params=req.params, request_id="j#1")
+    except ValueError as exc:
+        direct = exc
+    if tokenizer is not None:
+        (_, req), = tokenized(tokenizer, [(0, req)])
+    try:
+        made = tiny_engine.make_request(req.prompt, messages=req.messages, params=req.params, request_id="j#1")
+    except ValueError as exc:
+        assert isinstance(direct, ValueError), (claimed, direct, exc)
+        raise
+    assert not isinstance(direct, Exception), (claimed, direct, made.prompt_token_ids)
+    assert (made.prompt_token_ids, made.params) == (direct.prompt_token_ids, direct.params), claimed
+    return made
 
 
 @FUZZ
 @given(line=near_openai | near_completion | near_chat)
-def test_fuzz_every_line_the_producer_stores_is_an_engine_request_or_its_clear_error(tiny_engine, line):
+def test_fuzz_every_line_the_producer_stores_is_an_engine_request_or_its_clear_error(tiny_engine, worker_tokenizer, line):
     """Any line the producer accepted and stored becomes an engine request, or fails with the
     engine's own clear error (a prompt over this engine's context, a token past its vocabulary)."""
     entries = parse_chunk([(1, json.dumps(line))], model="tiny", priority=1)
     if entries[0][2] != GOOD:
         return
     try:
-        request = _engine_request(tiny_engine, _claimed(entries[0][3]))
+        request = _engine_request(tiny_engine, _claimed(entries[0][3]), worker_tokenizer)
     except ValueError as exc:
         assert str(exc) and len(str(exc)) < 1000
         return
@@ -303,11 +327,11 @@ def test_fuzz_every_line_the_producer_stores_is_an_engine_request_or_its_clear_e
 
 @FUZZ
 @given(row=rows)
-def test_fuzz_claimed_row_to_engine_request(tiny_engine, row):
+def test_fuzz_claimed_row_to_engine_request(tiny_engine, worker_tokenizer, row):
     """Whatever prompt a row holds (another version's producer, a hand-written row), the engine
     takes it or refuses it with a clear error, never another exception."""
     try:
-        request = _engine_request(tiny_engine, row)
+        request = _engine_request(tiny_engine, row, worker_tokenizer)
     except ValueError as exc:
         assert str(exc) and len(str(exc)) < 1000
         return

@@ -256,7 +256,11 @@ def tokenized(tokenizer: Any, submitting: list[tuple[int, WorkRequest]]) -> list
             if well_formed(req.messages) or (req.messages is None and isinstance(req.prompt, str) and req.prompt)]
     if tokenizer is None or not todo:
         return submitting
-    ids = tokenizer.tokenize_many([submitting[n][1] for n in todo])
+    try:
+        ids = tokenizer.tokenize_many([submitting[n][1] for n in todo])
+    except Exception as exc:  # the batched call itself failed: the engine tokenizes each alone
+        log.warning("tokenizing %d prompts for the engine failed (%r): the engine tokenizes them", len(todo), exc)
+        return submitting
     out = list(submitting)
     for n, got in zip(todo, ids):
         if isinstance(got, list) and got:
