@@ -48,32 +48,41 @@ def compiled_llm(smol_llm):
     return llm
 
 
-def test_greedy_tokens_equal_hf_generate(smol_llm, hf):
-    assert_greedy_tokens_equal_hf(smol_llm, hf)
+@pytest.fixture(scope="module")
+def hf_greedy(smol_llm, hf) -> dict[tuple[int, ...], tuple[list[int], list[float]]]:
+    """HF ``generate``'s greedy tokens for each question at batch 1, and its top-2 logit gap at
+    every step: computed once, for the eager and the compiled engine alike."""
+    out = {}
+    for q in QUESTIONS:
+        ids = smol_llm.engine.apply_chat_template([{"role": "user", "content": q}])
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+        gaps = [float(top[0] - top[1]) for top in (logits[0].topk(2).values for logits in ref.logits)]
+        out[tuple(ids)] = (ref.sequences[0, len(ids):].tolist(), gaps)
+    return out
 
 
-def test_greedy_tokens_equal_hf_generate_compiled(compiled_llm, hf):
-    assert_greedy_tokens_equal_hf(compiled_llm, hf)
+def test_greedy_tokens_equal_hf_generate(smol_llm, hf_greedy):
+    assert_greedy_tokens_equal_hf(smol_llm, hf_greedy)
+
+
+def test_greedy_tokens_equal_hf_generate_compiled(compiled_llm, hf_greedy):
+    assert_greedy_tokens_equal_hf(compiled_llm, hf_greedy)
     assert compiled_llm.engine.runner.compiled is not None  # every decode step ran compiled
 
 
-def assert_greedy_tokens_equal_hf(llm: LLM, hf) -> None:
+def assert_greedy_tokens_equal_hf(llm: LLM, hf_greedy) -> None:
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
     near_ties = 0
     for out in outs:
-        ids = torch.tensor([out.prompt_token_ids])
-        ref = hf.generate(
-            ids, max_new_tokens=64, do_sample=False, output_logits=True, return_dict_in_generate=True
-        )
-        want = ref.sequences[0, ids.shape[1] :].tolist()
+        want, gaps = hf_greedy[tuple(out.prompt_token_ids)]
         got = out.outputs[0].token_ids
         mismatch = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if mismatch is None:
             assert len(got) == len(want), (got, want)
             continue
-        top2 = ref.logits[mismatch][0].topk(2).values
-        assert float(top2[0] - top2[1]) < NEAR_TIE, f"diverged at step {mismatch} without a near-tie"
+        assert gaps[mismatch] < NEAR_TIE, f"diverged at step {mismatch} without a near-tie"
         near_ties += 1
     assert near_ties <= 2
 
