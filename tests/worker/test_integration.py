@@ -107,7 +107,7 @@ def test_worker_merges_jobs_submitted_while_running(db_url, redis_url, unique_qu
         after = {j.id: (j.output_text, j.finished_at, j.attempts) for j in client.store.jobs(batch_id)}
         assert after == before
         # The worker process tokenized those prompts for its engine (its tokenizer loads beside
-        # the first jobs, without torch): still no torch in it.
+        # the first message of several jobs, without torch): still no torch in it.
         assert "tokenizers" in Path(f"/proc/{worker.proc.pid}/maps").read_text()
         assert "libtorch" not in Path(f"/proc/{worker.proc.pid}/maps").read_text()
     finally:

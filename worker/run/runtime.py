@@ -184,6 +184,7 @@ class Runtime:
     group_slots: "JobSlots" = field(default_factory=lambda: JobSlots(group_slot_count()))
     settings: Settings = field(default_factory=settings)  # the process's, read once; its tasks read them here
     tokenizer: Any = None  # a TokenCounter once loaded: prompts tokenized here, not in the engine (``prompt_tokenizer``)
+    tokenizer_asked: bool = False  # its load has begun (at the first message of several jobs)
 
     def heartbeats(self, store: Any, interval: float) -> Any:
         """The process's one ``Heartbeat`` (refreshing every running job's lease), started once."""
@@ -193,6 +194,21 @@ class Runtime:
 
                 self.heartbeat = Heartbeat(store, self.loop.abort, interval)
             return self.heartbeat
+
+    def batch_tokenizer(self) -> Any:
+        """The worker's tokenizer for a message of several jobs: None until loaded (the engine
+        tokenizes meanwhile). The first call starts loading it beside the jobs (~0.7 s, most of
+        it importing transformers): a worker that only ever runs single jobs, whose prompts the
+        engine tokenizes at no cost that matters, never pays it."""
+        if self.tokenizer is None and not self.tokenizer_asked:
+            with self.lock:
+                if not self.tokenizer_asked:
+                    self.tokenizer_asked = True
+                    threading.Thread(target=self._load_tokenizer, name="specbatch-tokenizer", daemon=True).start()
+        return self.tokenizer
+
+    def _load_tokenizer(self) -> None:
+        self.tokenizer = prompt_tokenizer(self.model)
 
     def add_inflight(self, job_id: str, request_id: str) -> None:
         """Record a request submitted for ``job_id``. One that reaches here after the drain
@@ -276,14 +292,7 @@ def start(model: str | None = None, device: str | None = None, **engine_kwargs_g
                                  on_step=metrics.observe_step if metrics else None)
         _runtime = Runtime(model=model, device=engine_device, label=label, loop=loop,
                            queue=s.but(model=model).queue_name, metrics=metrics)
-        threading.Thread(target=_load_prompt_tokenizer, args=(_runtime,), name="specbatch-tokenizer", daemon=True).start()
         return _runtime
-
-
-def _load_prompt_tokenizer(rt: Runtime) -> None:
-    """Load the worker's tokenizer beside the first jobs (~0.7 s, most of it importing
-    transformers): until it is there the engine tokenizes, with the same ids."""
-    rt.tokenizer = prompt_tokenizer(rt.model)
 
 
 def prompt_tokenizer(model: str) -> Any:

@@ -223,7 +223,7 @@ def start_claimed(rt: runtime.Runtime, store, claimed: list[tuple[int, str, Clai
         except Exception as exc:  # a worker-side fault, not the job's: give it back, counted
             started[pos] = _crashed(rt, store, job_id, claim.attempt, claim.job, exc)
     if submitting:
-        submitting = tokenized(rt.tokenizer, submitting)
+        submitting = tokenized(rt.batch_tokenizer() if len(submitting) > 1 else rt.tokenizer, submitting)
         requests = [dict(prompt=req.prompt, messages=req.messages, params=req.params,
                          request_id=f"{claimed[pos][1]}#{claimed[pos][2].attempt}", priority=req.priority)
                     for pos, req in submitting]
