@@ -193,6 +193,9 @@ class TcpProxy:
     ones (a database that vanished), ``restore()`` accepts again."""
 
     def __init__(self, target_port: int) -> None:
+        # Set: the next answer to a COMMIT is dropped and its connection cut (the commit is
+        # done, the client never hears it); cleared once that happened.
+        self.lose_commit_answer = threading.Event()
         self.target_port = target_port
         self.port = free_port()
         self._open = threading.Event()
@@ -229,16 +232,19 @@ class TcpProxy:
             with self._lock:
                 self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(a, b, a is upstream), daemon=True).start()
 
     _closed = False
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, from_server: bool = False) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
+                    break
+                # PostgreSQL's CommandComplete for COMMIT: 'C', length 11, "COMMIT\0".
+                if from_server and self.lose_commit_answer.is_set() and b"C\x00\x00\x00\x0bCOMMIT\x00" in data:
+                    self.lose_commit_answer.clear()
                     break
                 dst.sendall(data)
         except OSError:

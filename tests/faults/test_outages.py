@@ -199,3 +199,36 @@ def test_the_reaper_gives_live_workers_a_lease_after_a_database_outage(pg_url, r
         assert dead.status == QUEUED and "lease expired" in dead.error
     finally:
         proxy.close()
+
+
+def test_a_claim_whose_commit_answer_is_lost_is_still_ours(pg_url):
+    """The connection is cut right after PostgreSQL commits a claim and before the worker hears
+    it (its COMMIT's answer dropped by a proxy): the worker's retry finds the job running under
+    its own name and claim time and runs it as attempt 1. Taken for another live attempt, the
+    job ran nowhere until its lease expired and then ran again as attempt 2 (charged)."""
+    from worker.store.dbretry import with_db_retry
+    from worker.store.rows import job_row
+
+    url = make_url(pg_url)
+    proxy = TcpProxy(url.port or 5432)
+    proxied = url.set(port=proxy.port).render_as_string(hide_password=False)
+    Store(pg_url, auto_upgrade=True)
+    store = Store(proxied)
+    try:
+        store.upsert_jobs([job_row(model="m", prompt=f"p{i}", id=f"lost-answer-{i}") for i in range(3)])
+        ids = [f"lost-answer-{i}" for i in range(3)]
+        at = time.time()
+        proxy.lose_commit_answer.set()
+        claims = with_db_retry("claim", lambda: store.claim_many(ids, worker="w1", device="cpu", lease_s=60,
+                                                                 max_attempts=3, at=at))
+        assert not proxy.lose_commit_answer.is_set(), "no COMMIT answer was dropped: the test proved nothing"
+        assert [(c.ok, c.attempt) for c in claims] == [(True, 1)] * 3, [c.reason for c in claims]
+        assert [c.job["prompt"] for c in claims] == ["p0", "p1", "p2"]
+        # Another delivery of the same jobs (another claim time, or another worker) is refused.
+        assert [c.reason for c in store.claim_many(ids, worker="w1", device="cpu", lease_s=60, max_attempts=3)] \
+            == ["running in another live attempt"] * 3
+        assert not store.claim(ids[0], worker="w2", device="cpu", lease_s=60, max_attempts=3, at=at).ok
+        assert all(store.get_job(i).attempts == 1 for i in ids)
+    finally:
+        store.dispose()
+        proxy.close()

@@ -146,9 +146,10 @@ class _Held:
 
 def _run_held(task, rt: runtime.Runtime, store, job_ids: list[str], queue: str, held: _Held) -> list[dict[str, Any]]:
     worker = task.request.hostname or runtime.worker_name(rt.label)
+    claimed_at = time.time()  # the same on every retry: a claim committed but unanswered is known as ours
     claims = with_db_retry("claim", lambda: store.claim_many(
         job_ids, worker=worker, device=rt.label, lease_s=rt.settings.lease_seconds,
-        max_attempts=rt.settings.max_attempts, queue=queue))
+        max_attempts=rt.settings.max_attempts, queue=queue, at=claimed_at))
     outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(job_ids)
     won: list[tuple[int, str, Claim]] = []
     for index, (job_id, claim) in enumerate(zip(job_ids, claims)):

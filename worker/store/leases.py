@@ -43,6 +43,9 @@ _CLAIM_READ = (select(Job.status, Job.attempts, Job.heartbeat_at, Job.attempts_f
                .where(Job.id == bindparam("p_job_id")))
 
 
+_CLAIM_FIELDS_READ = select(*[getattr(Job, f) for f in CLAIM_FIELDS]).where(Job.id == bindparam("p_job_id"))
+
+
 def attempt_ended(job_id: str, attempt: int, outcome: str, cause: str | None, *, charged: bool, now: float):
     """Insert the ``JobAttempt`` of an attempt that ends without ending its job, its worker,
     device and start read from the job row (run it in the transaction that moves the job on,
@@ -109,23 +112,28 @@ class Leases(StoreBase):
     """A worker's writes of its attempts: claim, heartbeat, result, give back."""
 
     def claim(self, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
-              queue: str | None = None) -> Claim:
+              queue: str | None = None, at: float | None = None) -> Claim:
         """Start a new attempt of ``job_id`` and return its request with it, or say why not
         (done, live elsewhere, no such job, …).
 
         Compare-and-swap on (status, attempts): of two copies racing, exactly one wins.
         ``queue``: the queue the job's message came from, recorded for its next message.
+        ``at``: the claim's time, the same on every retry of one delivery: a claim whose commit
+        reached the database though its answer was lost (a connection cut mid-commit) is
+        recognised on the retry as this worker's own (its worker and start time) and returned,
+        instead of being taken for another live attempt, left to run nowhere until its lease
+        expired, and re-run as a second attempt.
         """
         return self._write_op(lambda conn: self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
-                                                       max_attempts=max_attempts, queue=queue))
+                                                       max_attempts=max_attempts, queue=queue, at=at))
 
     def claim_many(self, job_ids: Sequence[str], *, worker: str, device: str, lease_s: float, max_attempts: int,
-                   queue: str | None = None) -> list[Claim | Exception]:
+                   queue: str | None = None, at: float | None = None) -> list[Claim | Exception]:
         """``claim`` of each job id in one write (a group message's jobs). A claim that raises
         is retried alone and its error returned in its place, so it fails only its own job; an
-        unreachable database raises, as ``claim``."""
+        unreachable database raises, as ``claim``. ``at``: as ``claim``'s."""
         def claim_all(conn: Connection) -> list[Claim]:
-            now = time.time()
+            now = time.time() if at is None else at
             taken = {row["id"]: row for row in conn.execute(_CLAIM_QUEUED, {
                 "p_job_ids": list(dict.fromkeys(job_ids)), "p_max_attempts": max_attempts, "p_worker": worker,
                 "p_device": device, "p_now": now, "p_queue": queue}).mappings()}
@@ -137,7 +145,7 @@ class Leases(StoreBase):
                                         job={f: row[f] for f in CLAIM_FIELDS}))
                 else:
                     claims.append(self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
-                                              max_attempts=max_attempts, queue=queue))
+                                              max_attempts=max_attempts, queue=queue, at=now))
             return claims
 
         try:
@@ -151,7 +159,7 @@ class Leases(StoreBase):
         for job_id in job_ids:
             try:
                 out.append(self.claim(job_id, worker=worker, device=device, lease_s=lease_s,
-                                      max_attempts=max_attempts, queue=queue))
+                                      max_attempts=max_attempts, queue=queue, at=at))
             except (OperationalError, InterfaceError):
                 raise
             except Exception as exc:
@@ -159,9 +167,9 @@ class Leases(StoreBase):
         return out
 
     def _claim(self, conn: Connection, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
-               queue: str | None) -> Claim:
+               queue: str | None, at: float | None = None) -> Claim:
         for _ in range(5):
-            now = time.time()
+            now = time.time() if at is None else at
             row = conn.execute(_CLAIM_READ, {"p_job_id": job_id}).first()
             if row is None:
                 # The store is the only truth: a message never makes a job (its row may be gone
@@ -171,7 +179,11 @@ class Leases(StoreBase):
             status, attempts, heartbeat, forgiven, enqueued_at, last_worker, last_device, last_started = row
             if status in TERMINAL:
                 return Claim(None, f"already {status}")
-            if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
+            if at is not None and status == RUNNING and last_worker == worker and last_started == at:
+                # This very claim, committed before its answer was lost: it is ours.
+                job = conn.execute(_CLAIM_FIELDS_READ, {"p_job_id": job_id}).mappings().first()
+                return Claim(attempts, enqueued_at=enqueued_at, started_at=at, job=dict(job))
+            if status == RUNNING and heartbeat is not None and time.time() - heartbeat < lease_s:
                 # Safe to drop this copy: if that attempt dies, the lease reaper re-publishes.
                 return Claim(None, "running in another live attempt")
             if attempts - (forgiven or 0) >= max_attempts:
