@@ -201,11 +201,12 @@ def test_the_reaper_gives_live_workers_a_lease_after_a_database_outage(pg_url, r
         proxy.close()
 
 
-def test_a_claim_whose_commit_answer_is_lost_is_still_ours(pg_url):
+def test_a_claim_or_result_whose_commit_answer_is_lost_is_still_ours(pg_url):
     """The connection is cut right after PostgreSQL commits a claim and before the worker hears
     it (its COMMIT's answer dropped by a proxy): the worker's retry finds the job running under
     its own name and claim time and runs it as attempt 1. Taken for another live attempt, the
-    job ran nowhere until its lease expired and then ran again as attempt 2 (charged)."""
+    job ran nowhere until its lease expired and then ran again as attempt 2 (charged). A result
+    write cut the same way is stored once and reported stored."""
     from worker.store.dbretry import with_db_retry
     from worker.store.rows import job_row
 
@@ -219,16 +220,28 @@ def test_a_claim_whose_commit_answer_is_lost_is_still_ours(pg_url):
         ids = [f"lost-answer-{i}" for i in range(3)]
         at = time.time()
         proxy.lose_commit_answer.set()
-        claims = with_db_retry("claim", lambda: store.claim_many(ids, worker="w1", device="cpu", lease_s=60,
+        claims = with_db_retry("claim", lambda: store.claim_many(ids + ids[:1], worker="w1", device="cpu", lease_s=60,
                                                                  max_attempts=3, at=at))
         assert not proxy.lose_commit_answer.is_set(), "no COMMIT answer was dropped: the test proved nothing"
-        assert [(c.ok, c.attempt) for c in claims] == [(True, 1)] * 3, [c.reason for c in claims]
-        assert [c.job["prompt"] for c in claims] == ["p0", "p1", "p2"]
+        assert [(c.ok, c.attempt) for c in claims[:3]] == [(True, 1)] * 3, [c.reason for c in claims]
+        assert [c.job["prompt"] for c in claims[:3]] == ["p0", "p1", "p2"]
+        assert claims[3].reason == "running in another live attempt"  # a duplicate in the message: not ours twice
         # Another delivery of the same jobs (another claim time, or another worker) is refused.
         assert [c.reason for c in store.claim_many(ids, worker="w1", device="cpu", lease_s=60, max_attempts=3)] \
             == ["running in another live attempt"] * 3
         assert not store.claim(ids[0], worker="w2", device="cpu", lease_s=60, max_attempts=3, at=at).ok
         assert all(store.get_job(i).attempts == 1 for i in ids)
+        # The same for the results: a retried write whose first commit went through is stored,
+        # once; a write for an attempt that does not own the job is still refused.
+        done = time.time()
+        results = [(i, 1, {"status": SUCCEEDED, "output_text": f"out {i}", "finished_at": done}) for i in ids]
+        proxy.lose_commit_answer.set()
+        assert with_db_retry("result", lambda: store.finish_many(results), until_written=True) == [True] * 3
+        assert not proxy.lose_commit_answer.is_set(), "no COMMIT answer was dropped: the test proved nothing"
+        assert [(store.get_job(i).status, store.get_job(i).output_text) for i in ids] == \
+            [(SUCCEEDED, f"out {i}") for i in ids]
+        assert store.finish_many([(ids[0], 2, {"status": SUCCEEDED, "finished_at": done})]) == [False]
+        assert store.finish_many([(ids[0], 1, {"status": SUCCEEDED, "finished_at": time.time()})]) == [False]
     finally:
         store.dispose()
         proxy.close()

@@ -88,9 +88,9 @@ _CLAIM_QUEUED = (
 )
 
 
-#: The running attempts of jobs about to get their results, their rows locked until the write.
-_FINISH_OWNERS = (select(Job.id, Job.attempts)
-                  .where(Job.id.in_(bindparam("p_job_ids", expanding=True)), Job.status == RUNNING)
+#: The attempts of jobs about to get their results, their rows locked until the write.
+_FINISH_OWNERS = (select(Job.id, Job.attempts, Job.status, Job.finished_at)
+                  .where(Job.id.in_(bindparam("p_job_ids", expanding=True)))
                   .with_for_update())
 
 
@@ -138,14 +138,17 @@ class Leases(StoreBase):
                 "p_job_ids": list(dict.fromkeys(job_ids)), "p_max_attempts": max_attempts, "p_worker": worker,
                 "p_device": device, "p_now": now, "p_queue": queue}).mappings()}
             claims: list[Claim] = []
+            seen: set[str] = set()
             for job_id in job_ids:
                 row = taken.pop(job_id, None)  # a duplicate id in one message: its second copy is refused
                 if row is not None:
                     claims.append(Claim(row["attempts"], enqueued_at=row["enqueued_at"], started_at=now,
                                         job={f: row[f] for f in CLAIM_FIELDS}))
-                else:
+                else:  # a second copy is not this claim's own, whatever its time
                     claims.append(self._claim(conn, job_id, worker=worker, device=device, lease_s=lease_s,
-                                              max_attempts=max_attempts, queue=queue, at=now))
+                                              max_attempts=max_attempts, queue=queue,
+                                              at=None if job_id in seen else now))
+                seen.add(job_id)
             return claims
 
         try:
@@ -156,10 +159,11 @@ class Leases(StoreBase):
             if len(job_ids) == 1:
                 raise
         out: list[Claim | Exception] = []
-        for job_id in job_ids:
+        for n, job_id in enumerate(job_ids):
             try:
                 out.append(self.claim(job_id, worker=worker, device=device, lease_s=lease_s,
-                                      max_attempts=max_attempts, queue=queue, at=at))
+                                      max_attempts=max_attempts, queue=queue,
+                                      at=None if job_id in job_ids[:n] else at))
             except (OperationalError, InterfaceError):
                 raise
             except Exception as exc:
@@ -237,7 +241,11 @@ class Leases(StoreBase):
         return self.finish_many([(job_id, attempt, values)])[0]
 
     def finish_many(self, results: Sequence[tuple[str, int, dict[str, Any]]]) -> list[bool]:
-        """``finish`` of each (job id, attempt, values) in one write; True where it was stored."""
+        """``finish`` of each (job id, attempt, values) in one write; True where it was stored.
+
+        Retried with the same values after a commit whose answer was lost (a connection cut
+        mid-commit), a result already stored by that commit (the same attempt, status and
+        ``finished_at``) is True, not refused as if another attempt owned the job."""
         def write(conn: Connection) -> list[bool]:
             ids = [job_id for job_id, _, _ in results]
             if len(set(ids)) < len(ids):  # a job twice: each write fenced by the one before it
@@ -246,14 +254,23 @@ class Leases(StoreBase):
             # Which attempts still own their jobs, read with the rows locked (SQLite's write
             # transactions are exclusive already), then one statement for all of them: a
             # statement a result cost a round trip each on PostgreSQL.
-            current = dict(conn.execute(_FINISH_OWNERS, {"p_job_ids": ids}).all())
-            owned = [(job_id, attempt, values) for job_id, attempt, values in results if current.get(job_id) == attempt]
+            current = {row.id: row for row in conn.execute(_FINISH_OWNERS, {"p_job_ids": ids})}
+            owned, stored_before = [], set()
+            for job_id, attempt, values in results:
+                row = current.get(job_id)
+                if row is None or row.attempts != attempt:
+                    continue
+                if row.status == RUNNING:
+                    owned.append((job_id, attempt, values))
+                elif row.status == values.get("status") and row.finished_at is not None \
+                        and row.finished_at == values.get("finished_at"):
+                    stored_before.add(job_id)
             by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
             for job_id, attempt, values in owned:
                 by_columns.setdefault(tuple(values), []).append(_finish_params(job_id, attempt, values))
             for columns, params in by_columns.items():
                 conn.execute(_finish_statement(columns), params)
-            owners = {job_id for job_id, _, _ in owned}
+            owners = {job_id for job_id, _, _ in owned} | stored_before
             return [job_id in owners for job_id in ids]
 
         return self._write_op(write) if results else []
