@@ -160,8 +160,9 @@ class Settings:
     soft_shutdown_timeout: float = _setting("SOFT_SHUTDOWN_TIMEOUT", 0.0, "Celery's soft shutdown timeout.", float)
     load_at_start: bool = _setting("LOAD_AT_START", True, "`0`: load the engine at the first job, not at start.",
                                    bool)
-    db_retry_seconds: float = _setting("DB_RETRY_SECONDS", 300.0, "How long store calls are retried while the "
-                                       "database is unreachable.", float)
+    db_retry_seconds: float = _setting("DB_RETRY_SECONDS", 300.0, "How long a worker's start and a producer's "
+                                       "writes are retried while the database is unreachable (a running worker's "
+                                       "claims and results wait it out).", float)
     ready_file: str | None = _setting("READY_FILE", None, "A file that exists exactly while the worker can take "
                                       "jobs (a readiness probe).")
     interactive_reserve: int | None = _setting("INTERACTIVE_RESERVE", None, "Task threads bulk messages may never "

@@ -146,10 +146,13 @@ class _Held:
 
 def _run_held(task, rt: runtime.Runtime, store, job_ids: list[str], queue: str, held: _Held) -> list[dict[str, Any]]:
     worker = task.request.hostname or runtime.worker_name(rt.label)
-    claimed_at = time.time()  # the same on every retry: a claim committed but unanswered is known as ours
+    # The same time on every retry, and retried until the database answers: a claim that
+    # committed before its answer was lost is known as ours on the retry. Given up on, it left
+    # its job running nowhere until the reaper re-ran it as a second, charged attempt.
+    claimed_at = time.time()
     claims = with_db_retry("claim", lambda: store.claim_many(
         job_ids, worker=worker, device=rt.label, lease_s=rt.settings.lease_seconds,
-        max_attempts=rt.settings.max_attempts, queue=queue, at=claimed_at))
+        max_attempts=rt.settings.max_attempts, queue=queue, at=claimed_at), until_written=True)
     outcomes: list[tuple[str, dict[str, Any] | None]] = [("skipped", None)] * len(job_ids)
     won: list[tuple[int, str, Claim]] = []
     for index, (job_id, claim) in enumerate(zip(job_ids, claims)):
@@ -274,10 +277,11 @@ def _refused(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[st
     """What happens at once to a job this worker must not run (the wrong model; a worker that
     is draining or whose engine is gone), or None: it goes to the engine."""
     if not serves(rt.model, rt.settings.served_names, job["model"]):
+        at = time.time()
         with_db_retry("fail", lambda: store.fail(
-            job_id, attempt, f"this worker serves {rt.model!r}, not {job['model']!r}", "wrong_model"),
+            job_id, attempt, f"this worker serves {rt.model!r}, not {job['model']!r}", "wrong_model", at),
             until_written=True)
-        return FAILED, {"error_type": "wrong_model", "finished_at": time.time()}
+        return FAILED, {"error_type": "wrong_model", "finished_at": at}
     if rt.dead or rt.draining or not rt.loop.running:
         why = "drained: the worker is shutting down" if rt.draining else "engine unavailable: worker stopping"
         return give_back(rt, store, job_id, attempt, job, why, forgive=True), None
@@ -285,8 +289,9 @@ def _refused(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[st
 
 
 def _invalid(store, job_id: str, attempt: int, exc: ValueError) -> Started:
-    with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request"), until_written=True)
-    return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": time.time()}
+    at = time.time()
+    with_db_retry("fail", lambda: store.fail(job_id, attempt, str(exc), "invalid_request", at), until_written=True)
+    return FAILED, {"error": str(exc), "error_type": "invalid_request", "finished_at": at}
 
 
 def _crashed(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[str, Any], exc: Exception) -> Started:

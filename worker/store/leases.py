@@ -275,10 +275,12 @@ class Leases(StoreBase):
 
         return self._write_op(write) if results else []
 
-    def fail(self, job_id: str, attempt: int, error: str, error_type: str = "generation_error") -> bool:
-        return self.finish(
-            job_id, attempt, {"status": FAILED, "error": error, "error_type": error_type, "finished_at": time.time()}
-        )
+    def fail(self, job_id: str, attempt: int, error: str, error_type: str = "generation_error",
+             finished_at: float | None = None) -> bool:
+        """``finish`` as failed; give ``finished_at`` the same on every retry of one failure (see
+        ``finish_many``: a retried write that went through is known by it)."""
+        return self.finish(job_id, attempt, {"status": FAILED, "error": error, "error_type": error_type,
+                                             "finished_at": time.time() if finished_at is None else finished_at})
 
     def give_back(self, job_id: str, attempt: int, reason: str, *, forgive: bool = True) -> bool:
         """Put a running attempt's job back in the queue at once (drain, a dying engine).
