@@ -15,7 +15,7 @@ from sqlalchemy.engine import make_url
 from tests.faults.conftest import RedisServer, TcpProxy, Workers, stored_results, wait_until
 from worker.api.client import Client
 from worker.common.config import Settings
-from worker.store.models import CANCELLED, QUEUED, RUNNING, SUCCEEDED
+from worker.store.models import CANCELLED, GIVEN_BACK, QUEUED, RUNNING, SUCCEEDED
 from worker.store.store import Store
 
 SLOW = {"SPECBATCH_FAULTS": '{"step_sleep_s": 0.02}'}
@@ -206,7 +206,7 @@ def test_a_claim_or_result_whose_commit_answer_is_lost_is_still_ours(pg_url):
     it (its COMMIT's answer dropped by a proxy): the worker's retry finds the job running under
     its own name and claim time and runs it as attempt 1. Taken for another live attempt, the
     job ran nowhere until its lease expired and then ran again as attempt 2 (charged). A result
-    write cut the same way is stored once and reported stored."""
+    write or a give-back cut the same way is done once and reported done."""
     from worker.store.dbretry import with_db_retry
     from worker.store.rows import job_row
 
@@ -242,6 +242,18 @@ def test_a_claim_or_result_whose_commit_answer_is_lost_is_still_ours(pg_url):
             [(SUCCEEDED, f"out {i}") for i in ids]
         assert store.finish_many([(ids[0], 2, {"status": SUCCEEDED, "finished_at": done})]) == [False]
         assert store.finish_many([(ids[0], 1, {"status": SUCCEEDED, "finished_at": time.time()})]) == [False]
+        # And a give-back (a draining worker's): back in the queue once, reported done, so its
+        # worker publishes its message (reported fenced, the job waited for the orphan sweep).
+        store.upsert_jobs([job_row(model="m", prompt="back", id="lost-answer-back")])
+        assert store.claim("lost-answer-back", worker="w1", device="cpu", lease_s=60, max_attempts=3).attempt == 1
+        back_at = time.time()
+        proxy.lose_commit_answer.set()
+        assert with_db_retry("give back", lambda: store.give_back("lost-answer-back", 1, "drained", at=back_at),
+                             until_written=True)
+        assert not proxy.lose_commit_answer.is_set(), "no COMMIT answer was dropped: the test proved nothing"
+        assert store.get_job("lost-answer-back").status == QUEUED
+        assert [a.outcome for a in store.attempt_history("lost-answer-back")] == [GIVEN_BACK]
+        assert not store.give_back("lost-answer-back", 1, "drained", at=time.time())  # not that one: fenced
     finally:
         store.dispose()
         proxy.close()

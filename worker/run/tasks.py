@@ -54,7 +54,8 @@ def give_back(rt: runtime.Runtime, store, job_id: str, attempt: int, job: dict[s
     if death is not None:  # whatever the task saw (a refused submit, a broken pipe), the death is why
         died = str(death) if isinstance(death, EngineDied) else f"engine loop died: {death!r}"
         reason = reason if died in reason else died
-    if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive),
+    at = time.time()  # the same on every retry: a give-back that went through unanswered is known by it
+    if not with_db_retry("give back", lambda: store.give_back(job_id, attempt, reason, forgive=forgive, at=at),
                          until_written=True):
         return "fenced"
     try:

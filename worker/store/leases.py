@@ -282,14 +282,17 @@ class Leases(StoreBase):
         return self.finish(job_id, attempt, {"status": FAILED, "error": error, "error_type": error_type,
                                              "finished_at": time.time() if finished_at is None else finished_at})
 
-    def give_back(self, job_id: str, attempt: int, reason: str, *, forgive: bool = True) -> bool:
+    def give_back(self, job_id: str, attempt: int, reason: str, *, forgive: bool = True,
+                  at: float | None = None) -> bool:
         """Put a running attempt's job back in the queue at once (drain, a dying engine).
 
         ``forgive`` keeps the attempt from counting against ``max_attempts``. The caller has
         stopped generating it and publishes a new message right after; False means this
         attempt no longer owns the job (cancelled, reaped, superseded): publish nothing.
+        ``at``: the give-back's time, the same on every retry: one whose commit went through
+        though its answer was lost is known by it (True), and its message is published.
         """
-        now = time.time()
+        now = time.time() if at is None else at
         values: dict[str, Any] = dict(status=QUEUED, heartbeat_at=None, recovered_at=now, published_at=now,
                                       error=f"given back: {reason}", error_type=None)
         if forgive:
@@ -300,5 +303,9 @@ class Leases(StoreBase):
             )
             if res.rowcount == 1:
                 conn.execute(attempt_ended(job_id, attempt, GIVEN_BACK, reason, charged=not forgive, now=now))
-            return res.rowcount == 1
+                return True
+            if at is None:
+                return False
+            row = conn.execute(select(Job.status, Job.attempts, Job.recovered_at).where(Job.id == job_id)).first()
+            return row is not None and tuple(row) == (QUEUED, attempt, at)
 
