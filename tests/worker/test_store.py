@@ -305,3 +305,21 @@ def test_the_pacer_s_next_jobs_are_an_ordered_index_range_on_a_freshly_loaded_ta
     taken = store.take_unpublished(batch_id, "q", 1000)
     assert [r["custom_id"] for r in taken] == [f"c{i}" for i in range(1000)]
     store.dispose()
+
+
+def test_a_claim_retried_through_an_outage_keeps_its_time_and_starts_its_lease_now(db_url):
+    """Every retry of one delivery's claim passes the time it was first tried (``at``): that is
+    the attempt's start, and how a retry knows a claim that went through unanswered as its own;
+    its lease starts when the claim is written, or a claim retried through a long outage began
+    with its lease already expired."""
+    store = _store(db_url)
+    store.upsert_jobs([job_row(model="m", prompt="hi", id="j"), job_row(model="m", prompt="hi", id="k")])
+    at = time.time() - 100  # first tried before a 100-s outage
+    before = time.time()
+    claim = store.claim_many(["j"], worker="w", device="cpu", lease_s=60, max_attempts=3, at=at)[0]
+    job = store.get_job("j")
+    assert claim.attempt == 1 and claim.started_at == at and job.started_at == at and job.heartbeat_at >= before
+    assert store.claim_many(["j"], worker="w", device="cpu", lease_s=60, max_attempts=3, at=at)[0].attempt == 1
+    store.claim("k", worker="w", device="cpu", lease_s=0, max_attempts=3)  # a lost attempt, taken over:
+    taken = store.claim("k", worker="w", device="cpu", lease_s=0, max_attempts=3, at=at)  # by the one-job claim
+    assert taken.attempt == 2 and store.get_job("k").started_at == at and store.get_job("k").heartbeat_at >= before

@@ -57,7 +57,8 @@ def attempt_ended(job_id: str, attempt: int, outcome: str, cause: str | None, *,
                literal(charged, Boolean)).where(Job.id == job_id))
 
 
-_NOW = bindparam("p_now", type_=Job.__table__.c.started_at.type)
+_NOW = bindparam("p_now", type_=Job.__table__.c.started_at.type)  # the claim's time (``at``: one per delivery)
+_BEAT = bindparam("p_beat", type_=Job.__table__.c.heartbeat_at.type)  # the lease's start: now, even on a retry
 
 
 _CLAIM_WRITE = (  # bound names are not column names: SET's own parameters take those
@@ -65,7 +66,7 @@ _CLAIM_WRITE = (  # bound names are not column names: SET's own parameters take 
     .where(Job.id == bindparam("p_job_id"), Job.attempts == bindparam("p_attempts"),
            Job.status == bindparam("p_status"))
     .values(status=RUNNING, attempts=bindparam("p_next_attempt"), worker=bindparam("p_worker"),
-            device=bindparam("p_device"), started_at=_NOW, heartbeat_at=_NOW, error=None, error_type=None,
+            device=bindparam("p_device"), started_at=_NOW, heartbeat_at=_BEAT, error=None, error_type=None,
             queue_wait_s=_NOW - Job.enqueued_at,
             queue=func.coalesce(bindparam("p_queue", type_=Job.__table__.c.queue.type), Job.queue))
     .returning(*[getattr(Job, f) for f in CLAIM_FIELDS])  # the request rides the claim: no second read
@@ -81,7 +82,7 @@ _CLAIM_QUEUED = (
     .where(Job.id.in_(bindparam("p_job_ids", expanding=True)), Job.status == QUEUED,
            Job.attempts - func.coalesce(Job.attempts_forgiven, 0) < bindparam("p_max_attempts"))
     .values(status=RUNNING, attempts=Job.attempts + 1, worker=bindparam("p_worker"),
-            device=bindparam("p_device"), started_at=_NOW, heartbeat_at=_NOW, error=None, error_type=None,
+            device=bindparam("p_device"), started_at=_NOW, heartbeat_at=_BEAT, error=None, error_type=None,
             queue_wait_s=_NOW - Job.enqueued_at,
             queue=func.coalesce(bindparam("p_queue", type_=Job.__table__.c.queue.type), Job.queue))
     .returning(Job.id, Job.attempts, Job.enqueued_at, *[getattr(Job, f) for f in CLAIM_FIELDS])
@@ -136,7 +137,7 @@ class Leases(StoreBase):
             now = time.time() if at is None else at
             taken = {row["id"]: row for row in conn.execute(_CLAIM_QUEUED, {
                 "p_job_ids": list(dict.fromkeys(job_ids)), "p_max_attempts": max_attempts, "p_worker": worker,
-                "p_device": device, "p_now": now, "p_queue": queue}).mappings()}
+                "p_device": device, "p_now": now, "p_beat": time.time(), "p_queue": queue}).mappings()}
             claims: list[Claim] = []
             seen: set[str] = set()
             for job_id in job_ids:
@@ -173,7 +174,8 @@ class Leases(StoreBase):
     def _claim(self, conn: Connection, job_id: str, *, worker: str, device: str, lease_s: float, max_attempts: int,
                queue: str | None, at: float | None = None) -> Claim:
         for _ in range(5):
-            now = time.time() if at is None else at
+            now = time.time()
+            start = now if at is None else at
             row = conn.execute(_CLAIM_READ, {"p_job_id": job_id}).first()
             if row is None:
                 # The store is the only truth: a message never makes a job (its row may be gone
@@ -187,7 +189,7 @@ class Leases(StoreBase):
                 # This very claim, committed before its answer was lost: it is ours.
                 job = conn.execute(_CLAIM_FIELDS_READ, {"p_job_id": job_id}).mappings().first()
                 return Claim(attempts, enqueued_at=enqueued_at, started_at=at, job=dict(job))
-            if status == RUNNING and heartbeat is not None and time.time() - heartbeat < lease_s:
+            if status == RUNNING and heartbeat is not None and now - heartbeat < lease_s:
                 # Safe to drop this copy: if that attempt dies, the lease reaper re-publishes.
                 return Claim(None, "running in another live attempt")
             if attempts - (forgiven or 0) >= max_attempts:
@@ -201,7 +203,7 @@ class Leases(StoreBase):
                 return Claim(None, "attempts exhausted")
             job = conn.execute(_CLAIM_WRITE, {
                 "p_job_id": job_id, "p_attempts": attempts, "p_status": status, "p_next_attempt": attempts + 1,
-                "p_worker": worker, "p_device": device, "p_now": now, "p_queue": queue,
+                "p_worker": worker, "p_device": device, "p_now": start, "p_beat": now, "p_queue": queue,
             }).mappings().first()
             if job is not None:
                 if status == RUNNING:  # taken over from an attempt whose lease expired: it was lost
@@ -209,7 +211,7 @@ class Leases(StoreBase):
                         job_id=job_id, attempt=attempts, worker=last_worker, device=last_device,
                         started_at=last_started, ended_at=now, outcome=LOST, charged=True,
                         cause=f"lease expired: taken over by {worker}"))
-                return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=now, job=dict(job))
+                return Claim(attempts + 1, enqueued_at=enqueued_at, started_at=start, job=dict(job))
         return Claim(None, "lost the race to another attempt")
 
     def heartbeat(self, job_id: str, attempt: int) -> bool:
