@@ -124,7 +124,9 @@ def test_csv_keeps_its_text_exactly_and_tsv_is_read_by_its_extension(served, tmp
     rows = out.to_pylist()
     assert [r["code"] for r in rows] == ["007", "0.50"]  # CSV cells are text: leading zeros and formats kept
     assert rows[0]["name"] == "Bond, James" and rows[0]["note"] == 'says "hi"\nthen leaves'
-    assert all(r["completion"] is not None and r["error"] is None for r in rows)
+    assert all(r["error"] is None and r["finish_reason"] in ("stop", "length") for r in rows), rows
+    # Sampled (no --temperature): a completion may be empty (EOS first), an empty cell that reads back as null.
+    assert all(r["completion"] is not None or r["finish_reason"] == "stop" for r in rows), rows
 
     tsv = tmp_path / "people.tsv"
     tsv.write_text("name\tq\nAda\tx\n", encoding="utf-8")
