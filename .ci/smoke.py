@@ -39,7 +39,7 @@ def smoke(workdir: Path) -> None:
 
     path = str(tiny_models().make_tiny_model(workdir / "tiny", logit_scale=8.0))
     prompt = "The quick brown fox"
-    got = LLM(path, device="cpu", max_num_seqs=4).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    got = LLM(path, device="cpu", dtype="float32", max_num_seqs=4).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
     ours = list(got[0].outputs[0].token_ids)
     hf = load_causal_lm(path, dtype=torch.float32).eval()
     ids = torch.tensor([got[0].prompt_token_ids])

@@ -1,11 +1,12 @@
 """Start-up cost of the compiled decode step (``compile_step=True``): cold and warm.
 
-Each start runs in a fresh process over one inductor cache folder: the first finds it empty
-(cold: dynamo traces, inductor compiles the C++ of the graph), the next ones find it filled
-(warm: the FX-graph and AOT caches hit, dynamo still traces). The C++ ops of
-``specbatch_kernels.cpu_ops`` are built beforehand (once per machine, in the project's cache).
+Each start runs in a fresh process over one new project cache (the machine's converted models
+and C++ ops linked in, built beforehand): the first finds no graph and empty inductor caches
+(cold: dynamo traces, inductor compiles the C++ of the graph, the graph is saved), the next
+ones load the saved graph (warm). ``traced`` starts (``SPECBATCH_COMPILE_SAVE=0``, the path
+before) are timed alternately with them: dynamo traces again, inductor's caches hit.
 
-    python bench/compile_start.py                 # one cold start, two warm ones
+    python bench/compile_start.py                 # one cold start, two warm and two traced ones
     python bench/compile_start.py --warm 4 --threads 1
 """
 
@@ -42,8 +43,9 @@ print(json.dumps({{"ok": compiled is not None, "import_s": imported - start,
 """
 
 
-def start_once(model: str, cache: str, threads: int) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+def start_once(model: str, cache: str, threads: int, save: bool = True) -> dict:
+    env = dict(os.environ, SPECBATCH_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+               SPECBATCH_COMPILE_SAVE="1" if save else "0")
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, os.path.join(_ROOT, "kernels"), env.get("PYTHONPATH", "")])
     wall = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", _CHILD.format(model=model, threads=threads)], env=env,
@@ -65,10 +67,13 @@ def main() -> None:
 
     print(describe_machine())
     print(f"CPU ops built: {load_cpu_ops(cache_dir())}")
-    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
-        for i in range(1 + args.warm):
-            kind = "cold" if i == 0 else "warm"
-            r = start_once(args.model, cache, args.threads)
+    with tempfile.TemporaryDirectory(prefix="specbatch-cache-") as cache:
+        for entry in os.listdir(cache_dir()):  # converted models, C++ ops: not what is measured
+            if entry not in ("inductor", "compiled_step"):
+                os.symlink(os.path.join(cache_dir(), entry), os.path.join(cache, entry))
+        runs = [("cold", True)] + [kind for _ in range(args.warm) for kind in (("warm", True), ("traced", False))]
+        for kind, save in runs:
+            r = start_once(args.model, cache, args.threads, save)
             print(f"{kind}: decode step compiled in {r['compile_s']:.1f} s; engine built in {r['engine_s']:.1f} s "
                   f"(imports {r['import_s']:.1f} s, whole process {r['process_s']:.1f} s); compiled: {r['ok']}")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

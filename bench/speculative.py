@@ -54,7 +54,9 @@ KV_BYTES = 1 << 30  # per engine: ~22k tokens of SmolLM2 K/V, enough for every s
 def engine_like(base: LLM, model=None, **overrides) -> LLM:
     """Another engine over already-loaded weights (``model`` defaults to the base's)."""
     overrides.setdefault("kv_cache_memory_bytes", KV_BYTES)
-    config = EngineConfig(model=base.engine.config.model, device=base.engine.config.device, **overrides)
+    overrides.setdefault("compile_step", base.engine.config.compile_step)
+    config = EngineConfig(model=base.engine.config.model, device=base.engine.config.device,
+                          dtype=base.engine.config.dtype, **overrides)
     return LLM.from_engine(LLMEngine(config, model=model or base.engine.model, tokenizer=base.engine.tokenizer))
 
 
@@ -325,6 +327,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hog-seconds", type=float, default=1800.0, help="upper bound on section 6's CPU hog")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (the engine picks bfloat16 there)")
+    parser.add_argument("--dtype", default="auto", help="our engines' and HF's dtype (auto: bfloat16 on native-bf16 CPUs)")
+    parser.add_argument("--compile-step", action=argparse.BooleanOptionalAction, default=True,
+                        help="our engines with the compiled decode and verification step (CPU; default on)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 is far steadier on a machine shared with other work")
     args = parser.parse_args()
@@ -332,8 +337,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     path = resolve_model(args.model)
-    base = LLM(path, device=args.device, kv_cache_memory_bytes=KV_BYTES)
-    print(f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}", flush=True)
+    base = LLM(path, device=args.device, kv_cache_memory_bytes=KV_BYTES, dtype=args.dtype,
+               compile_step=args.compile_step and torch.device(args.device).type == "cpu")
+    print(f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}; "
+          f"{base.engine.runner.describe()}", flush=True)
     sections = {s.strip() for s in args.sections.split(",")}
     start = time.perf_counter()
     if "1" in sections:

@@ -102,8 +102,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=64, help="long-tail workload size")
     parser.add_argument("--skip-long-tail", action="store_true")
-    parser.add_argument("--quantization", default=None, help="specbatch only (vLLM runs fp32)")
+    parser.add_argument("--quantization", default=None, help="specbatch only (vLLM runs unquantized)")
     parser.add_argument("--decode-capture", default="on", choices=("on", "off"))
+    parser.add_argument("--dtype", default="auto",
+                        help="both peers' dtype (auto: the one specbatch picks for this CPU, given to vLLM too)")
+    parser.add_argument("--compile-step", default="on", choices=("on", "off"),
+                        help="specbatch's compiled decode step (vLLM compiles its own by default)")
     args = parser.parse_args()
     path = resolve_model(args.model)
     print(f"# python bench/vllm_peer.py {' '.join(sys.argv[1:])}")
@@ -111,8 +115,9 @@ def main() -> None:
 
     convs, lt_max = long_tail_workload(args.num_prompts, 0)
     b_convs, _ = long_tail_workload(8, 1)
-    llm = LLM(path, device="cpu", max_num_seqs=64, quantization=args.quantization,
-              decode_capture=args.decode_capture == "on")
+    llm = LLM(path, device="cpu", max_num_seqs=64, quantization=args.quantization, dtype=args.dtype,
+              decode_capture=args.decode_capture == "on", compile_step=args.compile_step == "on")
+    dtype = str(llm.engine.config.dtype).removeprefix("torch.")  # the same dtype for vLLM
     chat = [llm.engine.apply_chat_template(c) for c in convs]
     short = [llm.engine.apply_chat_template(c) for c in b_convs]
     eos = llm.engine.eos_ids
@@ -126,7 +131,7 @@ def main() -> None:
     peer = None
     try:
         python = ensure_vllm_python()
-        peer = VllmPeer(python, path, "float32", 64)
+        peer = VllmPeer(python, path, dtype, 64)
         print(f"vLLM {peer.version} (CPU build, own venv {python.parent.parent}); specbatch {llm.engine.runner.describe()}")
     except VllmUnavailable as exc:
         print(f"vLLM peer SKIPPED: {exc}. Measuring specbatch alone.")

@@ -12,7 +12,9 @@ root that is random per process and mixed with the request's ``cache_salt`` (so 
 different salts never share a block). A digest is only a fast index: a hit must also carry
 exactly this block's tokens and exactly the parent this sequence already matched (its block id
 and generation, which changes when the block is reused), and the first block the same salt, so
-even a digest collision can never hand out the wrong KV.
+even a digest collision can never hand out the wrong KV. A sequence's digests are memoized on it
+(its token ids only grow), so the waiting queue can ask every step how much of each waiting
+prompt is cached (``cached_prefix_tokens``, read only) without hashing it again.
 """
 
 from __future__ import annotations
@@ -146,17 +148,16 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return 0
         tokens = seq.token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
-        salt = seq.request.cache_salt
-        parent: ParentRef = ("salt", salt)
+        bs = self.block_size
+        parent: ParentRef = ("salt", seq.request.cache_salt)
         hits: list[int] = []
         hashes: list[tuple[bytes, ParentRef]] = []
-        for _i, digest, block_tokens in self._key_chain(tokens, root_digest(salt), 0, max_blocks):
+        for i, digest in self._prefix_digests(seq, (len(tokens) - 1) // bs):
             block_id = self.cached.get(digest)
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.tokens != block_tokens or block.parent != parent:
+            if block.parent != parent or block.tokens != tuple(tokens[i * bs : (i + 1) * bs]):
                 break  # a digest collision: the content differs
             parent = (block_id, block.generation)
             hits.append(block_id)
@@ -171,6 +172,43 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         return len(hits) * self.block_size
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """The tokens ``match_prefix`` would attach to ``seq`` now, read only: nothing is attached,
+        touched or counted (the waiting queue ranks its head by this every step).
+
+        It walks the memoized digests and stops at the first block not cached or not chained to
+        the block before; the content is taken on the digest's word (``match_prefix`` checks it
+        exactly when the sequence is admitted), so a digest collision can only misrank.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        parent: ParentRef = ("salt", seq.request.cache_salt)
+        num_hits = 0
+        for _i, digest in self._prefix_digests(seq, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached.get(digest)
+            if block_id is None or self.blocks[block_id].parent != parent:
+                break
+            parent = (block_id, self.blocks[block_id].generation)
+            num_hits += 1
+        return num_hits * self.block_size
+
+    def _prefix_digests(self, seq: Sequence, stop: int) -> Iterator[tuple[int, bytes]]:
+        """``(i, digest)`` of ``seq``'s full blocks ``0..stop-1``, memoized on the sequence and
+        extended only as far as the caller reads (a walk that stops at a miss hashes one block
+        past its hits, once)."""
+        salt = seq.request.cache_salt
+        memo = seq.prefix_digests
+        if seq.prefix_digests_salt != salt:
+            memo.clear()
+            seq.prefix_digests_salt = salt
+        bs = self.block_size
+        tokens = seq.token_ids
+        for i in range(stop):
+            if i == len(memo):
+                parent = memo[-1] if memo else root_digest(salt)
+                memo.append(block_digest(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            yield i, memo[i]
+
     def _key_chain(
         self, tokens: list[int], parent: bytes, start: int, stop: int
     ) -> Iterator[tuple[int, bytes, tuple[int, ...]]]:
@@ -183,10 +221,7 @@ class BlockManager:
 
     def prompt_block_keys(self, seq: Sequence, first: int, last: int) -> list[bytes]:
         """Prefix-cache digests of ``seq``'s full blocks ``first..last-1`` (the chain from its start)."""
-        known = 0 < first <= len(seq.block_hashes)  # the parent's digest is already on the sequence
-        parent = seq.block_hashes[first - 1][0] if known else root_digest(seq.request.cache_salt)
-        chain = self._key_chain(seq.token_ids, parent, first if known else 0, last)
-        return [digest for i, digest, _tokens in chain if i >= first]
+        return [digest for i, digest in self._prefix_digests(seq, last) if i >= first]
 
     def share_prefix(self, src: Sequence, dst: Sequence, num_tokens: int) -> int:
         """Let ``dst`` (a sibling sample) reuse ``src``'s full computed blocks of a common prefix."""

@@ -7,16 +7,22 @@ graph input, and inductor's own packing, freezing, makes graphs it never caches 
 ``SPECBATCH_COMPILE_WEIGHTS=frozen`` measures that alternative) and our paged attention, a
 ``torch.library`` op that reads each K/V block once (``specbatch_kernels.cpu_ops``).
 
-Only decode-only steps run compiled (one query token and one sampled row per sequence, as the
-CUDA graphs of ``engine.decode_graphs``); their inputs are copied into persistent buffers and one
-graph serves every batch size (dynamic; batch 1 runs padded to 2) and any number of KV blocks.
-Prefill, chunks, speculative verification, int8 models and non-Llama layers run eagerly; so does
+Decode steps and speculative verification run compiled: every step whose every token is sampled,
+each token as a decode row of its own (its context ends at its position); their inputs are copied
+into persistent buffers and one graph serves every number of rows, 1 included, and any number of
+KV blocks (dynamic dimensions traced size-obliviously: no specialisation of a size-1 batch, so batch 1 needs no padding row).
+Int8 linears (``engine.quantization``) are called by handle the same way. Prefill, chunks and
+non-Llama layers run eagerly; so does
 everything after a compile or run fails (the runner logs it once). Inductor's caches live in the
-project's cache directory (``<cache>/inductor``), so a later start on the machine reuses them.
+project's cache directory (``<cache>/inductor``), and the graph itself is compiled ahead of time
+and saved there (``<cache>/compiled_step``, ``engine.compiled_artifact``), so a later start on the
+machine loads it without tracing.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 import weakref
@@ -26,14 +32,26 @@ import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
+from engine import compiled_artifact
 from engine.cpu_linear import PackedLinear
 from engine.decode_graphs import DecodeGraphs
 from engine.fused_layers import FusedDecoderLayer, _rms_norm, _rotate
-from specbatch_kernels.cpu_ops import register_packed_linear, release_packed_linear
+from engine.quantization import Int8DynamicLinear
+from specbatch_kernels.cpu_ops import register_int8_linear, register_packed_linear, release_packed_linear
 
-# Smallest batch the graph runs: batch 1 is padded to 2, since a size-1 dimension would be
-# specialised (a second graph, twice the compile time).
-MIN_BATCH = 2
+# Smallest batch the graph is traced at. A backed size-1 dimension would be specialised (a second
+# graph, twice the compile time), so tracing is size-oblivious (``_size_oblivious``): batch 1 used
+# to run padded to 2, which made its linears read 2 rows (and an int8 step's per-call activation
+# scale depend on the padding row).
+MIN_BATCH = 1
+log = logging.getLogger(__name__)
+
+
+def _size_oblivious():
+    """Trace with size-1 dimensions left symbolic (``backed_size_oblivious``), for this graph only."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True)
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed at load (no dynamic update)
 
 
@@ -54,12 +72,34 @@ def weights_mode() -> str:
     return mode
 
 
+def saves_graph() -> bool:
+    """Whether the graph is compiled ahead of time and saved (``SPECBATCH_COMPILE_SAVE``, default
+    1); 0 traces it at every start from inductor's caches (the path before, kept to compare and
+    as a way out should torch's AOT compile misbehave)."""
+    value = os.environ.get("SPECBATCH_COMPILE_SAVE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"SPECBATCH_COMPILE_SAVE must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 class _Linear(nn.Module):
     """One linear of the compiled graph, optionally adding a residual (as ``_add_linear`` does)."""
 
     def __init__(self, linear: nn.Module, mode: str, handles: list[int]) -> None:
         super().__init__()
         self.handle: int | None = None
+        self.small: nn.Parameter | None = None
+        if isinstance(linear, Int8DynamicLinear):  # by handle in either mode: it has no dense weight
+            self.handle = register_int8_linear(linear.packed_params, linear.reduce_range, linear.out_features)
+            handles.append(self.handle)
+            self.fuse_add = True  # the op adds after the int8 product, as eager's residual + linear(x)
+            return
+        if mode == "packed" and isinstance(linear, PackedLinear) and linear.small_weight is not None:
+            # Our small-GEMM layout is a plain tensor: a graph input like any weight (cacheable).
+            self.small = nn.Parameter(linear.small_weight, requires_grad=False)
+            self.bias = None if linear.bias is None else nn.Parameter(linear.bias, requires_grad=False)
+            self.out_features = linear.out_features
+            return
         if mode == "packed" and isinstance(linear, PackedLinear):
             self.handle = register_packed_linear(linear.packed_weight, linear.bias, linear.out_features)
             handles.append(self.handle)
@@ -70,6 +110,8 @@ class _Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.small is not None:  # the residual add is exact inside it in both dtypes
+            return torch.ops.specbatch.small_linear(x, self.small, self.out_features, self.bias, residual)
         if self.handle is None:
             out = F.linear(x, self.weight, self.bias)
         elif residual is not None and self.fuse_add:
@@ -90,8 +132,9 @@ def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
     if getattr(getattr(inner, "rotary_emb", None), "rope_type", None) not in _STATIC_ROPE:
         return "rotary type updates its frequencies at run time"
     linears = [m for layer in layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    if any(_dense(m) is None for m in [*linears, model.get_output_embeddings()]):
-        return "quantized linears are not compiled"
+    if any(_dense(m) is None and not isinstance(m, Int8DynamicLinear)
+           for m in [*linears, model.get_output_embeddings()]):
+        return "a linear is neither float nor engine.quantization's int8"
     return None
 
 
@@ -176,49 +219,123 @@ def use_cache_dir(root: str | os.PathLike) -> str:
 
 class CompiledDecode(DecodeGraphs):
     """Decode-only steps through the compiled ``DecodeModule`` over the persistent buffers that
-    ``DecodeGraphs`` keeps (one graph dynamic in the batch size; batch 1 runs padded to 2)."""
+    ``DecodeGraphs`` keeps (one graph dynamic in the batch size, batch 1 included).
 
-    def __init__(self, runner, max_batch: int, max_context_len: int) -> None:
-        super().__init__(runner, max(max_batch, MIN_BATCH), max_context_len, static=True)
+    With our packed weights the graph is compiled ahead of time and saved whole
+    (``engine.compiled_artifact``): a later start on the machine loads it without tracing.
+    Frozen weights (inductor folds them into the graph), or a graph that cannot be saved, are
+    traced by ``torch.compile`` at each start, from inductor's caches."""
+
+    def __init__(self, runner, max_rows: int, max_context_len: int, cache_root: str | os.PathLike) -> None:
+        super().__init__(runner, max(max_rows, MIN_BATCH), max_context_len, static=True)
         self.mode = weights_mode()
         self.module = DecodeModule(runner.model, self.mode).eval()
         weakref.finalize(self, _release, list(self.module.handles))
         self.caches = [t for pair in runner.kv_caches for t in pair]
-        for cache in self.caches:  # the graph serves any number of blocks (one cache entry per model)
-            torch._dynamo.mark_dynamic(cache, 0)
-        if self.mode == "frozen":
-            # Read from the global config when a graph is compiled (the first calls), not from
-            # torch.compile's options; no other code of the engine compiles.
-            torch._inductor.config.freezing = True
-        # Dynamic where marked (batch, cache blocks); heads, head_dim and the rest stay static.
-        self.compiled = torch.compile(self.module, options={"guard_filter_fn": _skip_parameter_guards})
+        self.artifact = (compiled_artifact.artifact_path(cache_root, self.module, (self.mode, self._inputs_key()))
+                         if self.mode == "packed" and saves_graph() else None)
+        self.loaded = False  # whether warm_up found the saved graph
+        self.saved = False  # whether this start runs the saved (AOT) graph
+        self.compiled = None  # called with the step's tensors; set by warm_up
         self.warmup_s: float | None = None
 
     def describe(self) -> str:
         weights = "our packed weights" if self.mode == "packed" else "frozen weights"
-        return f"decode compiled (inductor, {weights}) for batch sizes 1..{self.sizes[-1]}"
+        how = ("loaded from its saved graph" if self.loaded else "saved for the next start") if self.saved else "traced"
+        return f"decode compiled (inductor, {weights}, {how}) for batch sizes 1..{self.sizes[-1]}"
+
+    def can_run(self, inputs) -> bool:
+        """Steps that want every token's logits: decode steps and speculative verification. Each
+        token then is its sequence's next and runs as a row of its own, attending to its
+        sequence's blocks up to its own position: a verification row computes what the decode
+        step at that position would, op for op (so speculation stays exact in any dtype)."""
+        meta = inputs.metadata
+        rows = inputs.input_ids.shape[0]
+        return (
+            inputs.logits_indices.shape[0] == rows  # ascending within the step: 0..rows-1
+            and rows <= self.sizes[-1]
+            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+            and meta.max_context_len <= self.max_context_len
+        )
 
     def run(self, inputs) -> torch.Tensor:
-        """Logits ``[batch, vocab]`` of a decode step; batch 1 runs padded to 2 (one graph for all)."""
-        batch = inputs.metadata.context_lens.shape[0]
-        size = max(batch, MIN_BATCH)
-        self._fill(inputs, batch, size)
-        return self._call(size)[:batch]
+        """Logits ``[rows, vocab]`` of a decode or verification step (one graph for every size)."""
+        rows = inputs.input_ids.shape[0]
+        size = max(rows, MIN_BATCH)
+        if inputs.metadata.max_query_len == 1:
+            self._fill(inputs, rows, size)
+        else:
+            self._fill_rows(inputs, rows)
+        return self._call(size)[:rows]
+
+    def _fill_rows(self, inputs, rows: int) -> None:
+        """A step of several tokens per sequence as one decode row per token."""
+        meta = inputs.metadata
+        query_lens = meta.query_start_loc.diff()
+        width = meta.block_tables.shape[1]
+        self.input_ids[:rows].copy_(inputs.input_ids)
+        self.positions[:rows].copy_(inputs.positions)
+        self.slot_mapping[:rows].copy_(meta.slot_mapping)
+        self.context_lens[:rows].copy_(inputs.positions + 1)
+        self.block_tables[:rows, :width].copy_(meta.block_tables.repeat_interleave(query_lens, dim=0))
+
+    def _args(self, size: int) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
+                self.block_tables[:size], self.context_lens[:size])
+
+    def _inputs_key(self) -> str:
+        """The graph's inputs as it bakes them in: dtypes and every size but the dynamic first
+        (batch; KV blocks), e.g. the block table's width (the context bound) and the block size."""
+        return repr([(str(t.dtype), tuple(t.shape[1:])) for t in (*self._args(MIN_BATCH), *self.caches)])
 
     def _call(self, size: int) -> torch.Tensor:
-        args = (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                self.block_tables[:size], self.context_lens[:size])
+        args = self._args(size)
+        if self.saved:  # compiled once for every size: no tracing, no guards
+            return self.compiled(*args, self.caches)
         for arg in args:  # fresh views each call: mark their batch dimension symbolic again
             torch._dynamo.mark_dynamic(arg, 0)
-        return self.compiled(*args, self.caches)
+        with _size_oblivious():  # any (re)trace, the first included, keeps batch 1 symbolic
+            return self.compiled(*args, self.caches)
+
+    def _mark_dynamic(self, args=()) -> None:
+        """Batch (every input) and KV blocks (every cache) are the graph's dynamic dimensions."""
+        for tensor in (*args, *self.caches):
+            torch._dynamo.mark_dynamic(tensor, 0)
+
+    def _aot_graph(self):
+        """The saved graph for this module, loaded, or compiled now and saved; None when it
+        cannot be compiled ahead of time (logged; then it is traced)."""
+        saved = compiled_artifact.load(self.artifact, DecodeModule.forward)
+        self.loaded = saved is not None
+        if saved is None:
+            args = self._args(MIN_BATCH)
+            self._mark_dynamic(args)
+            try:
+                saved = compiled_artifact.compile_and_save(DecodeModule.forward, (self.module, *args, self.caches),
+                                                           self.artifact, _skip_parameter_guards, _size_oblivious())
+            except Exception as exc:
+                log.warning("compile_step: the decode step could not be compiled ahead of time (%s: %s); "
+                            "it is traced at each start", type(exc).__name__, exc)
+                return None
+        return functools.partial(saved, self.module)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile the graph ahead of the first step on rows that write and attend to nothing
-        (slot -1, context 0); returns the seconds it took (cold: compiling; warm: cache hits)."""
+        """Compile (or load) the graph ahead of the first step and run it on rows that write and
+        attend to nothing (slot -1, context 0); returns the seconds it took."""
         start = time.perf_counter()
         self.slot_mapping.fill_(-1)
         self.context_lens.zero_()
+        self.compiled = self._aot_graph() if self.artifact is not None else None
+        self.saved = self.compiled is not None
+        if self.compiled is None:
+            if self.mode == "frozen":
+                # Read from the global config when a graph is compiled (the first calls), not from
+                # torch.compile's options; no other code of the engine compiles.
+                torch._inductor.config.freezing = True
+            self._mark_dynamic()  # the graph serves any number of blocks (one cache entry per model)
+            # Dynamic where marked (batch, cache blocks); heads, head_dim and the rest stay static.
+            self.compiled = torch.compile(self.module, options={"guard_filter_fn": _skip_parameter_guards})
         self._call(MIN_BATCH)
         self.warmup_s = time.perf_counter() - start
         return self.warmup_s

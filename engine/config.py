@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine.cpu_features import auto_dtype_name
 
 if TYPE_CHECKING:
     from engine.spec.config import SpeculativeConfig
@@ -21,10 +23,11 @@ _DTYPES = {
 }
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """float32 on the CPU and bfloat16 on CUDA unless the user names one."""
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device, quantization: str | None = None) -> torch.dtype:
+    """The dtype named, or for ``auto`` (None) the one ``engine.cpu_features.auto_dtype_name``
+    picks for this machine: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[auto_dtype_name(device.type, quantization)]
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
@@ -63,6 +66,14 @@ class EngineConfig:
     # urgent_only_steps + 1 leave the background ones out (CPUs: a step's cost grows with its
     # batch; GPUs: keep 0, a bigger decode batch costs almost nothing more).
     urgent_only_steps: int = 0
+    # Admission order of waiting requests (engine.waiting_queue): "prefix" tries, among equally
+    # urgent ones, the one with the longest cached prefix first (SGLang's LPM); "fifo" keeps
+    # the queue order. A request passed over by later arrivals goes in arrival order again after
+    # prefix_aging_steps steps. 64: a CPU step takes ~0.05-0.5 s, so the extra wait stays within
+    # seconds, a fraction of the hundreds of decode steps a request then runs for, while the
+    # requests sharing what the cache holds now get that long to be served before it is evicted.
+    admission: str = "prefix"
+    prefix_aging_steps: int = 64
     speculative_config: "SpeculativeConfig | dict | None" = None
     trust_remote_code: bool = False
     # Llama-family decoder layers run as engine.fused_layers.FusedDecoderLayer (same maths, fewer
@@ -84,17 +95,25 @@ class EngineConfig:
     # Where a request's grammar admits a single continuation, propose its tokens as drafts
     # (ahead of the speculative proposer's, or alone when speculation is off).
     forced_token_drafts: bool = True
+    # Set from dtype: True when it was left to "auto" (the runner reports the choice).
+    dtype_auto: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device) if self.device is not None else default_device()
-        self.dtype = parse_dtype(self.dtype, self.device)
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        self.dtype_auto = self.dtype in (None, "auto")  # chosen for this machine (runner.describe says so)
+        self.dtype = parse_dtype(self.dtype, self.device, self.quantization)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.admission not in ("prefix", "fifo"):
+            raise ValueError(f"admission must be 'prefix' or 'fifo', got {self.admission!r}")
         if not isinstance(self.reserved_seqs, int) or not 0 <= self.reserved_seqs < self.max_num_seqs:
             raise ValueError(f"reserved_seqs must be an integer in [0, max_num_seqs), got {self.reserved_seqs!r}")
         if not isinstance(self.urgent_only_steps, int) or self.urgent_only_steps < 0:
             raise ValueError(f"urgent_only_steps must be a non-negative integer, got {self.urgent_only_steps!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "priority_aging_steps"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "priority_aging_steps",
+                     "prefix_aging_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -104,8 +123,6 @@ class EngineConfig:
             from engine.spec.config import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
-        if self.quantization in ("none", ""):
-            self.quantization = None
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.quantization is not None and self.device.type != "cpu":

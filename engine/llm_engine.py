@@ -59,6 +59,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             policy=config.scheduling_policy, aging_steps=config.priority_aging_steps,
             reserved_seqs=config.reserved_seqs, urgent_only_steps=config.urgent_only_steps,
+            admission=config.admission, prefix_aging_steps=config.prefix_aging_steps,
         )
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.sampler = Sampler(self.eos_ids, kernel_backend(config.device), self.vocab_size)

@@ -58,6 +58,15 @@ class ModelRunner:
         if config.compile_step:
             self.compiled = self._compile_decode(max_model_len)
 
+    def _max_sampled_rows(self) -> int:
+        """Most tokens a step can sample: one per sequence, and with speculation each one's
+        proposals too (a verification step's rows)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return self.config.max_num_seqs
+        k = spec.max_speculative_tokens if spec.adaptive else spec.num_speculative_tokens
+        return self.config.max_num_seqs * (1 + k)
+
     def _compile_decode(self, max_model_len: int) -> CompiledDecode | None:
         """The compiled decode step, compiled now (a warm-up on empty rows), or None with the
         reason logged once: unsupported model, no C++ toolchain, or a failed compile."""
@@ -72,13 +81,14 @@ class ModelRunner:
             return None
         inductor_cache = use_cache_dir(cache_dir())
         try:
-            compiled = CompiledDecode(self, self.config.max_num_seqs, max_model_len)
+            compiled = CompiledDecode(self, self._max_sampled_rows(), max_model_len, cache_dir())
             seconds = compiled.warm_up()
         except Exception as exc:
             log.warning("compile_step: compiling the decode step failed (%s: %s); decode steps run eagerly",
                         type(exc).__name__, exc)
             return None
-        log.info("compile_step: decode step compiled in %.1f s (inductor cache %s)", seconds, inductor_cache)
+        log.info("compile_step: decode step %s in %.1f s (inductor cache %s)",
+                 "loaded" if compiled.loaded else "compiled", seconds, inductor_cache)
         return compiled
 
     @property
@@ -182,7 +192,8 @@ class ModelRunner:
         if self.compiled is not None:
             capture = self.compiled.describe()
         quant = self.config.quantization or "none"
-        return f"device {self.device}, dtype {self.config.dtype}, quantization {quant}, kernels {self.backend}, {capture}"
+        dtype = f"{self.config.dtype}" + (" (auto for this CPU)" if self.config.dtype_auto else "")
+        return f"device {self.device}, dtype {dtype}, quantization {quant}, kernels {self.backend}, {capture}"
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -26,6 +26,8 @@ import warnings
 import torch
 from torch import nn
 
+from engine.cpu_features import has_vnni
+
 QUANTIZATIONS = ("int8",)
 # Linears kept in float, by the last part of their module name (see the module docstring).
 KEEP_FLOAT = ("down_proj",)
@@ -52,7 +54,12 @@ class Int8DynamicLinear(nn.Module):
             self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         # 7-bit activations (reduce_range) keep fbgemm's u8*s8 pair sums clear of int16
         # saturation on CPUs without VNNI; with VNNI there is no saturation to avoid.
-        self.reduce_range = not _has_vnni()
+        self.reduce_range = not has_vnni()
+
+    @property
+    def packed_params(self) -> torch.ScriptObject:
+        """The prepacked int8 weight and bias (what the compiled step registers by handle)."""
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -64,15 +71,6 @@ class Int8DynamicLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
-
-
-def _has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-        return "avx512_vnni" in flags or "avx_vnni" in flags
-    except OSError:
-        return False
 
 
 def quantize_linears(model: nn.Module, method: str = "int8", keep_float: tuple[str, ...] = KEEP_FLOAT) -> int:

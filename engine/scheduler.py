@@ -3,12 +3,19 @@
 Every sequence knows how many of its tokens are computed (``num_computed_tokens``) and how many
 it has (``num_tokens_with_spec``: prompt + output + proposed drafts). Each step hands out tokens
 under a budget (``max_num_batched_tokens``, ``max_num_seqs``) so computed catches up: running
-sequences first, then waiting ones in arrival order. That single rule yields mixed prefill and
-decode in one step, chunked prefill, prefix-cache hits (they start with tokens computed) and
-draft verification (drafts are scheduled tokens). When blocks run out, the most recently
-admitted running sequence is preempted and recomputed later; the waiting queue stays FIFO, so
-no request starves. Waiting sequences hold no blocks between steps, so a request is failed as
-too large only when it could not fit in an empty cache.
+sequences first, then waiting ones in the queue's admission order. That single rule yields
+mixed prefill and decode in one step, chunked prefill, prefix-cache hits (they start with tokens
+computed) and draft verification (drafts are scheduled tokens). When blocks run out, the most
+recently admitted running sequence is preempted and recomputed later; the waiting sequence tried
+first then blocks the ones after it until it fits, so no request starves. Waiting sequences hold
+no blocks between steps, so a request is failed as too large only when it could not fit in an
+empty cache.
+
+Admission order (``WaitingQueue.admission_order``, whose module docstring is the rule): with
+``admission="prefix"`` (the default), among equally urgent waiting requests the one with the
+longest cached prefix is tried first, and a request passed over by later arrivals goes in
+arrival order again after ``prefix_aging_steps`` steps; ``admission="fifo"`` tries them in
+queue order. Everything else below applies to whichever sequence is tried.
 
 Priorities (``scheduling_policy="priority"``, vLLM's): the waiting queue is ordered by
 (priority, arrival) with aging (``WaitingQueue``). Running sequences of a lower priority than
@@ -26,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -74,7 +82,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
                  policy: str = "fcfs", aging_steps: int = 1000, reserved_seqs: int = 0,
-                 urgent_only_steps: int = 0) -> None:
+                 urgent_only_steps: int = 0, admission: str = "prefix", prefix_aging_steps: int = 64) -> None:
         if not 0 <= reserved_seqs < max_num_seqs:
             raise ValueError(f"reserved_seqs must be in [0, max_num_seqs), got {reserved_seqs}")
         self.block_manager = block_manager
@@ -89,11 +97,12 @@ class Scheduler:
         self._recent_steps: deque[tuple[float, bool]] = deque()  # (seconds, urgent-only), newest last
         self._recent_seconds = 0.0  # their total and the urgent-only part, kept as steps come and go
         self._recent_urgent_seconds = 0.0
-        self.waiting = WaitingQueue(policy, aging_steps)
+        self.waiting = WaitingQueue(policy, aging_steps, admission=admission, prefix_aging_steps=prefix_aging_steps)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls: the clock of aging and of num_waiting_steps
         self._scheduled_now: set[int] = set()  # seq ids given tokens in the step being scheduled
+        self._preempted_now: set[int] = set()  # seq ids preempted in it: readmitted a step later
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -122,6 +131,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        self._preempted_now.add(seq.seq_id)
 
     def _victim(self, than: Sequence | None = None) -> Sequence | None:
         """The running sequence to preempt: lowest priority, then most recently admitted, never
@@ -158,6 +168,7 @@ class Scheduler:
         out = SchedulerOutput()
         self.num_steps += 1
         self._scheduled_now.clear()
+        self._preempted_now.clear()
         budget = self.max_num_batched_tokens
         # Running sequences less urgent than a waiting one go after the waiting ones.
         urgent = self.waiting.best_priority() if self.priority_policy else None
@@ -226,8 +237,8 @@ class Scheduler:
         for seq in seqs:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
-                continue
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._scheduled_now:
+                continue  # preempted earlier in this step (or, never again, readmitted already)
             num_new = self._fit_drafts(seq, budget)
             if num_new <= 0:
                 continue
@@ -262,11 +273,21 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput, only_urgent: bool = False) -> int:
         bm = self.block_manager
-        skipped: list[Sequence] = []
+        if not self.waiting or budget <= 0:
+            return budget
+        if len(self.running) >= self.max_num_seqs and self._victim(than=self.waiting[0]) is None:
+            # No slot and none to take: the first sequence tried would stop here (none of the
+            # head's run may preempt either), so rank nothing.
+            return budget
+        skipped: set[int] = set()  # seq ids passed over in this step (they keep their place)
+        admitted: list[Sequence] = []
         # Prompt blocks that requests admitted in this step are computing now (not yet cached).
         inflight: set[bytes] = set()
+        candidates = self._admission_candidates(skipped)
         while self.waiting and budget > 0 and len(skipped) <= MAX_SKIPPED:
-            seq = self.waiting[0]
+            seq = next(candidates, None)
+            if seq is None:
+                break
             if only_urgent and seq.request.priority > 0:
                 break
             if len(self.running) >= self._seq_limit(seq):
@@ -276,12 +297,12 @@ class Scheduler:
                 elif len(self.running) >= self.max_num_seqs or not self.priority_policy:
                     break
                 else:  # only the reserve is left: an urgent request behind this one may use it
-                    skipped.append(self.waiting.popleft())
+                    skipped.add(seq.seq_id)
                     continue
             leader = seq.request.seqs[0]
             if seq is not leader and leader.num_computed_tokens < leader.num_prompt_tokens and not leader.is_finished:
                 # A sibling sample waits for the first sample's prompt, then shares its blocks.
-                skipped.append(self.waiting.popleft())
+                skipped.add(seq.seq_id)
                 continue
             if not seq.block_table and seq.num_computed_tokens == 0:
                 if seq is not leader and leader.block_table and not leader.is_finished:
@@ -294,7 +315,7 @@ class Scheduler:
                     )
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_ever_fit(seq.num_tokens):
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 bm.free(seq)
                 out.failed.append((seq, self._too_large(seq)))
                 continue
@@ -304,13 +325,13 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
             if not bm.can_allocate(seq, num_new):
-                # FIFO: later arrivals never jump a blocked head. It gives back the prefix hits it
-                # just attached: a waiting sequence holds no blocks between steps, so the running
-                # ones (or this one, once they finish) can always have the whole cache.
+                # Head-blocking: nothing tried after this one jumps it. It gives back the prefix
+                # hits it just attached: a waiting sequence holds no blocks between steps, so the
+                # running ones (or this one, once they finish) can always have the whole cache.
                 bm.free(seq)
                 seq.num_computed_tokens = 0
                 if not self.running and not out.scheduled:  # nothing else holds a block
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     out.failed.append((seq, self._too_large(seq)))
                     continue
                 break
@@ -319,18 +340,45 @@ class Scheduler:
                 # step and take it from the prefix cache instead of computing it again.
                 bm.free(seq)
                 seq.num_computed_tokens = 0
-                skipped.append(self.waiting.popleft())
+                skipped.add(seq.seq_id)
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             bm.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             self._scheduled_now.add(seq.seq_id)
+            admitted.append(seq)
             budget -= num_new
-        for seq in skipped:
-            self.waiting.append(seq)
+        self.waiting.note_admitted(admitted, self.num_steps)
         return budget
+
+    def _admission_candidates(self, skipped: set[int]) -> Iterator[Sequence]:
+        """Waiting sequences in the order to try them (``WaitingQueue.admission_order``). Each one
+        yielded is admitted, failed or skipped before the next is asked for; the order is built
+        again when its window is spent or the queue gained a sequence (a preemption in this step).
+        A sequence preempted in this step waits for the next: its slot and blocks went to the one
+        it yielded to (readmitted at once, it was also scheduled again with the running ones that
+        yield to waiting ones: twice in one step)."""
+        while True:
+            inserts = self.waiting.num_inserts
+            exclude = skipped | self._preempted_now
+            order = self.waiting.admission_order(self.num_steps, exclude, self._cached_prefix)
+            if not order:
+                return
+            for seq in order:
+                if self.waiting.num_inserts != inserts:
+                    break
+                yield seq
+
+    def _cached_prefix(self, seq: Sequence) -> int:
+        """Tokens ``seq`` would start with computed if admitted now: what a sibling shares with
+        its leader's blocks, otherwise the prefix cache's hit (read only)."""
+        leader = seq.request.seqs[0]
+        if seq is not leader and leader.block_table and not leader.is_finished:
+            bs = self.block_manager.block_size
+            return min(seq.num_tokens - 1, leader.num_computed_tokens, len(leader.block_table) * bs) // bs * bs
+        return self.block_manager.cached_prefix_tokens(seq)
 
     def _shares_inflight_prefix(self, seq: Sequence, inflight: set, num_new: int) -> bool:
         """True when ``seq``'s next uncomputed prompt block is being computed in this step by a

@@ -45,6 +45,11 @@ class Sequence:
     num_hashed_blocks: int = 0
     # (digest, parent reference) of each hashed block: where the prefix-cache chain continues.
     block_hashes: list[tuple[bytes, tuple]] = field(default_factory=list)
+    # Memo of the prefix-cache digests of its leading full blocks, under the salt they were
+    # computed with: token ids only ever grow (a preempted sequence recomputes prompt + output),
+    # so they stay valid, and the waiting queue's prefix order reads them every step.
+    prefix_digests: list[bytes] = field(default_factory=list)
+    prefix_digests_salt: str | None = None
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     finish_reason: str | None = None

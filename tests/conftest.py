@@ -50,7 +50,9 @@ def smollm2_dir() -> str:
 def smol_llm(smollm2_dir):
     from engine import LLM
 
-    return LLM(smollm2_dir, device="cpu", max_num_seqs=64)
+    # float32: the tests that use it hold the engine to HF's float32 reference and to float32
+    # near-ties (dtype "auto" picks bfloat16 on CPUs with native bf16).
+    return LLM(smollm2_dir, device="cpu", dtype="float32", max_num_seqs=64)
 
 
 @pytest.fixture

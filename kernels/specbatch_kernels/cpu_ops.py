@@ -1,7 +1,7 @@
 """CPU kernels as ``torch.library`` ops: ``torch.ops.specbatch.paged_decode_attention`` and
 ``torch.ops.specbatch.write_kv`` (C++ in ``csrc/cpu_paged.cpp``), and
-``torch.ops.specbatch.packed_linear`` (``csrc/packed_linear.cpp``: oneDNN-prepacked weights held
-in a registry, called by handle from a compiled graph).
+``torch.ops.specbatch.packed_linear`` (``csrc/packed_linear.cpp``: oneDNN-prepacked weights, or an
+int8 linear's packed params, held in a registry and called by handle from a compiled graph).
 
 Why ops and not Python: ``torch.compile`` keeps a registered op as one opaque call in its graph
 (its fake implementation below gives the output's shape), and the C++ reads each K/V block of
@@ -25,10 +25,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_paged.cpp", "packed_linear.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_paged.cpp", "packed_linear.cpp",
+                                                                             "small_gemm.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _out_features: dict[int, int] = {}  # packed-linear handle -> output features (for tracing)
+
+
+def sources() -> tuple[Path, ...]:
+    """The C++ sources of these ops (what a build, or a graph calling them, depends on)."""
+    return tuple(_SOURCES)
 
 
 def _build_dir(root: Path) -> Path:
@@ -86,6 +92,10 @@ def _register_fakes() -> None:
     def _(key, value, k_cache, v_cache, slot_mapping):
         return None
 
+    @torch.library.register_fake("specbatch::small_linear")
+    def _(x, packed, out_features, bias=None, residual=None):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake("specbatch::packed_linear")
     def _(x, handle, residual=None):
         return x.new_empty((*x.shape[:-1], _out_features[handle]))
@@ -95,6 +105,14 @@ def register_packed_linear(packed_weight: torch.Tensor, bias: torch.Tensor | Non
     """A handle for ``torch.ops.specbatch.packed_linear`` to a oneDNN-prepacked weight (shared,
     not copied); ``release_packed_linear`` drops the registry's reference."""
     handle = int(torch.ops.specbatch.register_packed_linear(packed_weight, bias))
+    _out_features[handle] = out_features
+    return handle
+
+
+def register_int8_linear(packed_params: torch.ScriptObject, reduce_range: bool, out_features: int) -> int:
+    """A handle for ``torch.ops.specbatch.packed_linear`` to an int8 linear's packed params
+    (``quantized::linear_prepack``'s object, shared), run by ``quantized::linear_dynamic``."""
+    handle = int(torch.ops.specbatch.register_int8_linear(packed_params, bool(reduce_range)))
     _out_features[handle] = out_features
     return handle
 

@@ -44,10 +44,20 @@ def test_forward_add_is_the_residual_plus_the_linear_bit_for_bit(bias, rows):
     assert torch.equal(residual, kept)
 
 
-def test_bfloat16_is_packed_only_where_onednn_computes_it():
-    """An AVX2-only CPU keeps bfloat16 linears as torch's (packing them would raise at the first step)."""
-    assert can_pack(torch.device("cpu"), torch.bfloat16) == onednn_bf16_supported()
+def test_bfloat16_is_packed_only_where_a_kernel_computes_it():
+    """bfloat16 linears are packed where ``small_linear`` builds (any AVX2 or AVX-512 CPU) or oneDNN
+    has a bfloat16 path; elsewhere they stay torch's (oneDNN's packing would raise at the first
+    step). Packed, they compute what torch's linear does, on this CPU."""
+    from engine.cpu_linear import small_gemm_available
+
+    assert can_pack(torch.device("cpu"), torch.bfloat16) == (small_gemm_available() or onednn_bf16_supported())
     assert can_pack(torch.device("cpu"), torch.float32)
+    if can_pack(torch.device("cpu"), torch.bfloat16):
+        torch.manual_seed(0)
+        linear = nn.Linear(96, 200).to(torch.bfloat16)
+        x = torch.randn(5, 96, dtype=torch.bfloat16)
+        got, want = PackedLinear(linear)(x).float(), linear(x).float()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @needs_onednn_bf16
@@ -83,3 +93,39 @@ def test_a_bfloat16_engine_runs_where_onednn_has_no_bfloat16(tiny_model_dir):
     done = subprocess.run([sys.executable, "-c", code, tiny_model_dir], env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2"),
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "4", done.stderr[-3000:]
+
+
+# ---- dtype "auto": bf16 where the CPU computes it natively ---------------------------------
+def test_auto_dtype_is_bfloat16_exactly_where_the_cpu_has_native_bf16(monkeypatch):
+    from engine.config import EngineConfig
+    from engine.cpu_features import cpu_flags, native_bf16
+
+    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    assert native_bf16() == native
+    auto = EngineConfig(model="m", device="cpu")
+    assert auto.dtype == (torch.bfloat16 if native else torch.float32) and auto.dtype_auto
+    assert EngineConfig(model="m", device="cpu", quantization="int8").dtype == torch.float32  # its kernels take fp32
+    named = EngineConfig(model="m", device="cpu", dtype="float32")
+    assert named.dtype == torch.float32 and not named.dtype_auto
+    # oneDNN capped below bf16 (an AVX2-only CPU as oneDNN sees it): float32.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not native_bf16() and EngineConfig(model="m", device="cpu").dtype == torch.float32
+
+
+def test_the_cache_key_names_the_dtype_auto_picks(monkeypatch):
+    """A producer and a worker on machines whose ``auto`` differs must never share results."""
+    from engine.cpu_features import native_bf16
+    from worker.request.cache_key import model_key
+
+    key = lambda dtype: model_key("w", dtype=dtype, quantization=None, device="cpu", engine_kwargs=None)  # noqa: E731
+    assert key(None) == key("bfloat16" if native_bf16() else "float32")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert key(None) == key("float32")
+
+
+def test_the_runner_reports_an_auto_dtype(tiny_model_dir):
+    from engine import LLM
+
+    described = LLM(tiny_model_dir, device="cpu", max_num_seqs=2).engine.runner.describe()
+    assert "(auto for this CPU)" in described
+    assert "auto" not in LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=2).engine.runner.describe()

@@ -137,7 +137,7 @@ def test_a_bad_prompt_in_generate_fails_before_any_work(llm):
 
 def test_request_that_outgrows_the_kv_cache_fails_alone(tiny_model_dir):
     # 4 blocks of 16 tokens: the long request can start but never finish; the short ones do.
-    small = LLM(tiny_model_dir, device="cpu", kv_cache_memory_bytes=4 * 2 * 2 * 16 * 2 * 16 * 4)
+    small = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=4 * 2 * 2 * 16 * 2 * 16 * 4)
     assert small.engine.block_manager.num_blocks == 4
     outs = small.generate(
         ["ab", "cd", "long request"],

@@ -57,7 +57,7 @@ def save_family(path, family: str) -> str:
 )
 def test_engine_logits_match_transformers(tmp_path, family, fused, switch):
     path = save_family(tmp_path, family)
-    llm = LLM(path, device="cpu", max_num_batched_tokens=16, block_size=16, fuse_layers=switch)
+    llm = LLM(path, device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=16, fuse_layers=switch)
     layers = llm.engine.model.model.layers
     assert all(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused
     assert any(isinstance(layer, FusedDecoderLayer) for layer in layers) is fused

@@ -5,6 +5,7 @@ import sys
 
 from safetensors import safe_open
 
+from engine.cpu_linear import PackedLinear
 from engine import LLMEngine
 from engine.config import EngineConfig
 from engine.memory import CPU_TOKENS_PER_SEQ, default_cpu_kv_blocks, tensor_bytes
@@ -41,7 +42,7 @@ def _checkpoint_bytes(path) -> int:
 def test_start_reports_the_breakdown_and_holds_the_weights_once(tmp_path, caplog):
     path = make_tiny_model(tmp_path / "tiny")
     with caplog.at_level(logging.INFO, logger="engine.memory"):
-        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", max_num_seqs=4))
+        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=4))
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.memory"]
     assert len(lines) == 1 and "weights" in lines[0] and "KV cache" in lines[0]
     mem = engine.memory
@@ -49,10 +50,14 @@ def test_start_reports_the_breakdown_and_holds_the_weights_once(tmp_path, caplog
     assert mem.kv_cache_bytes == kv_allocated
     assert mem.num_blocks == engine.block_manager.num_blocks
     assert f"{mem.num_blocks} blocks, {mem.num_blocks * 16} tokens" in lines[0]
-    # Fused and prepacked, the model holds exactly the checkpoint's bytes (plus its rotary tables):
-    # no original kept beside a fused or packed copy.
+    # Fused and prepacked, the model holds exactly the checkpoint's bytes (plus its rotary tables
+    # and the zero rows that pad packed weights to whole blocks): no original kept beside a fused
+    # or packed copy.
     buffers = sum(b.numel() * b.element_size() for b in engine.model.buffers())
-    assert mem.weights_bytes == tensor_bytes(engine.model) == _checkpoint_bytes(path) + buffers
+    padding = sum((m.small_weight.numel() - m.out_features * m.in_features) * m.small_weight.element_size()
+                  for m in engine.model.modules() if isinstance(m, PackedLinear) and m.small_weight is not None)
+    assert 0 <= padding < _checkpoint_bytes(path) // 10
+    assert mem.weights_bytes == tensor_bytes(engine.model) == _checkpoint_bytes(path) + buffers + padding
     if sys.platform.startswith("linux"):
         # ... and the checkpoint's memory map is gone (its touched pages were a second copy).
         with open("/proc/self/maps") as f:
@@ -61,7 +66,8 @@ def test_start_reports_the_breakdown_and_holds_the_weights_once(tmp_path, caplog
 
 def test_explicit_kv_cache_memory_bytes_wins(tiny_model_dir):
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, float32
-    config = EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=1, kv_cache_memory_bytes=per_block * 5000)
+    config = EngineConfig(model=tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=1,
+                          kv_cache_memory_bytes=per_block * 5000)
     engine = LLMEngine(config)
     assert engine.runner.bytes_per_block == per_block
     # Far more than one sequence could use: the user's budget still decides.

@@ -36,7 +36,7 @@ def hf(smollm2_dir):
 def variant(smol_llm: LLM, **overrides) -> LLM:
     """Another engine configuration over the same loaded weights."""
     base = smol_llm.engine
-    config = EngineConfig(model=base.config.model, device="cpu", **overrides)
+    config = EngineConfig(model=base.config.model, device="cpu", dtype=base.config.dtype, **overrides)
     return LLM.from_engine(LLMEngine(config, model=base.model, tokenizer=base.tokenizer))
 
 

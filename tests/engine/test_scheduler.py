@@ -10,7 +10,8 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32) -> Sc
 
 def step(sched: Scheduler, max_out: int = 4, cache_blocks: bool = False):
     """One simulated engine step: computed catches up, sampled sequences grow, finished ones
-    leave; with ``cache_blocks`` the others' full blocks enter the prefix cache, as the engine does."""
+    leave; with ``cache_blocks`` full blocks enter the prefix cache (a finishing sequence's too,
+    before it frees them), as the engine does."""
     out = sched.schedule()
     for item in out.scheduled:
         seq = item.seq
@@ -18,12 +19,11 @@ def step(sched: Scheduler, max_out: int = 4, cache_blocks: bool = False):
         seq.num_computed_tokens += item.num_new_tokens
         if samples:
             seq.token_ids.append(7)
-            if seq.num_output_tokens >= max_out:
-                seq.status = SequenceStatus.FINISHED
-                sched.remove(seq)
-                continue
         if cache_blocks:
             sched.block_manager.cache_full_blocks(seq)
+        if samples and seq.num_output_tokens >= max_out:
+            seq.status = SequenceStatus.FINISHED
+            sched.remove(seq)
     return out
 
 

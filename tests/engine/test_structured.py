@@ -47,7 +47,7 @@ NEAR_TIE = 1e-4
 def engine_like(smol_llm: LLM, **config) -> LLM:
     """An engine of its own (config) sharing the session's loaded SmolLM2 weights."""
     base = smol_llm.engine
-    engine_config = EngineConfig(model=base.config.model, device="cpu", max_num_seqs=64, **config)
+    engine_config = EngineConfig(model=base.config.model, device="cpu", dtype=base.config.dtype, max_num_seqs=64, **config)
     return LLM.from_engine(LLMEngine(engine_config, model=base.model, tokenizer=base.tokenizer))
 
 

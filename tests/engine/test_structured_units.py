@@ -158,3 +158,22 @@ def test_constrained_under_every_verifier(flat_model_dir, speculative):
         record = json.loads(sample.text)
         assert record["a"] in ("xy", "zw") and isinstance(record["b"], bool), sample.text
     assert llm.engine.stats["spec_forced_accepted"] == llm.engine.stats["spec_forced_tokens"] > 0
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 8}, {"minLength": 1}, {"minLength": 1, "maxLength": 3}],
+                         ids=["max", "min", "min-max"])
+def test_a_length_bounded_string_never_admits_a_raw_control_character(byte_tok, bounds):
+    """xgrammar 0.2.9 lets U+0000-U+001F into length-bounded strings; a sampled record then failed json.loads."""
+    tok, vocab = byte_tok, len(byte_tok)
+    schema = {"type": "object", "properties": {"name": {"type": "string", **bounds}},
+              "required": ["name"], "additionalProperties": False}
+    state = state_for(tok, json=schema)
+    for token in tok.encode('{"name": "a', add_special_tokens=False):
+        assert state.commit(token)
+    bitmask = torch.zeros(1, -(-vocab // 32), dtype=torch.int32)
+    state.fill(bitmask, 0)
+    admitted = allowed(bitmask, 0, vocab)
+    byte_token = lambda text: tok.encode(text, add_special_tokens=False)[0]  # noqa: E731
+    controls = {byte_token(chr(code)) for code in range(0x20)}
+    assert len(controls) == 0x20 and not admitted & controls
+    assert {byte_token("b"), byte_token("~")} <= admitted  # ordinary characters still are

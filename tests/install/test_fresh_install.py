@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 import sysconfig
 from importlib import metadata
@@ -121,9 +122,14 @@ def wheel_venv(tmp_path_factory) -> Path:
     """A fresh venv holding only the built wheel; the dependencies come from this environment's
     site-packages through a ``.pth`` line (whose own ``.pth`` files, the editable install's
     among them, are not processed), so nothing of the checkout is importable there."""
+    from filelock import FileLock
+
     base = tmp_path_factory.mktemp("wheel")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(base / "dist"),
-                            str(ROOT)], capture_output=True, text=True, timeout=300)
+    # pip builds a local tree in its ``build/`` folder: two test processes building at once (the
+    # module's tests can land in two) raced there ("error: [Errno 2] No such file or directory").
+    with FileLock(str(Path(tempfile.gettempdir()) / f"specbatch-wheel-build-{ROOT.name}.lock")):
+        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(base / "dist"),
+                                str(ROOT)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (base / "dist").glob("specbatch-*.whl")
     venv = base / "venv"

@@ -70,3 +70,61 @@ def test_ops_compile_into_one_graph():
     want = step(case.query, key, value, ref_k, ref_v, slots, case.block_tables, case.context_lens)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["float", "int8"])
+def test_packed_linear_by_handle_equals_the_eager_linear(kind):
+    """The handle op runs the very kernel eager runs (oneDNN packed, or int8 quantized::linear_dynamic),
+    with and without the residual add, and refuses a released handle."""
+    from engine.quantization import Int8DynamicLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80)
+    if kind == "float":  # oneDNN's packed layout (what PackedLinear keeps where our ops do not build)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
+        bias = linear.bias.detach()
+        eager = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: E731
+        handle = cpu_ops.register_packed_linear(packed, bias, 80)
+    else:
+        eager = Int8DynamicLinear(linear)
+        handle = cpu_ops.register_int8_linear(eager.packed_params, eager.reduce_range, 80)
+    x, residual = torch.randn(5, 96), torch.randn(5, 80)
+    try:
+        assert torch.equal(torch.ops.specbatch.packed_linear(x, handle), eager(x))
+        assert torch.equal(torch.ops.specbatch.packed_linear(x, handle, residual), residual + eager(x))
+    finally:
+        cpu_ops.release_packed_linear(handle)
+    with pytest.raises(RuntimeError, match="was released"):
+        torch.ops.specbatch.packed_linear(x, handle)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 577), (37, 5)], ids=["qkv", "odd-out", "tiny-odd"])
+def test_small_linear_computes_the_linear_and_a_row_never_depends_on_its_batch(dtype, shape):
+    """The decode kernel: float64's answer within the dtype's rounding, bias and residual added as
+    the eager ops add them, and each row bit for bit the same alone or among 1..64 others."""
+    k, n = shape
+    torch.manual_seed(k + n)
+    weight, bias = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    packed = torch.ops.specbatch.pack_small_linear(weight)
+    x, residual = torch.randn(64, k).to(dtype), torch.randn(64, n).to(dtype)
+    got = torch.ops.specbatch.small_linear(x, packed, n, bias)
+    want = x.double() @ weight.double().t() + bias.double()
+    rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.double() - want).abs() <= rounding * (want.abs() + 1) + 1e-5 * k ** 0.5).all()
+    for rows in (1, 2, 5, 6, 7, 13):
+        assert torch.equal(torch.ops.specbatch.small_linear(x[:rows], packed, n, bias), got[:rows])
+    assert torch.equal(torch.ops.specbatch.small_linear(x[3:4], packed, n, bias), got[3:4])
+    with_residual = torch.ops.specbatch.small_linear(x, packed, n, bias, residual)
+    assert torch.equal(with_residual, residual + got)  # float32: one sum; bfloat16: two roundings
+
+
+def test_packed_linear_keeps_one_copy_of_its_weight_and_gives_it_back():
+    from engine.cpu_linear import PackedLinear
+
+    linear = torch.nn.Linear(37, 21).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert packed.small_weight is not None and packed.packed_weight is None
+    assert torch.equal(packed.weight, linear.weight.detach())
+    x = torch.randn(3, 37, dtype=torch.bfloat16)
+    assert torch.equal(packed(x), torch.ops.specbatch.small_linear(x, packed.small_weight, 21, linear.bias.detach()))

@@ -28,7 +28,7 @@ def other_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    llm = LLM(tiny_model_dir, device="cpu")
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32")
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
@@ -47,7 +47,7 @@ def configs(tiny_dir: str, other_dir: str) -> dict[str, dict]:
 @pytest.mark.parametrize("name", list(configs("", "")))
 def test_greedy_outputs_equal_non_speculative(name, tiny_model_dir, other_model_dir, reference):
     config = configs(tiny_model_dir, other_model_dir)[name]
-    llm = LLM(tiny_model_dir, device="cpu", speculative_config=config)
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", speculative_config=config)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = llm.engine.stats
@@ -63,8 +63,8 @@ def test_greedy_outputs_equal_non_speculative(name, tiny_model_dir, other_model_
 
 
 def test_stops_and_logprobs_under_speculation(tiny_model_dir):
-    plain = LLM(tiny_model_dir, device="cpu")
-    spec = LLM(tiny_model_dir, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    plain = LLM(tiny_model_dir, device="cpu", dtype="float32")
+    spec = LLM(tiny_model_dir, device="cpu", dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 6})
     full = plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0]
     stop = full.text[10:13]
     params = [
@@ -89,7 +89,7 @@ def test_stops_and_logprobs_under_speculation(tiny_model_dir):
 def test_preemption_with_a_draft_model_keeps_outputs(tiny_model_dir, reference):
     # 12 blocks of 16 tokens for five sequences growing to ~60 tokens: preemption is certain.
     kv = 12 * 2 * 2 * 16 * 2 * 16 * 4
-    llm = LLM(tiny_model_dir, device="cpu", kv_cache_memory_bytes=kv,
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=kv,
               speculative_config={"method": "draft", "draft_model": tiny_model_dir, "num_speculative_tokens": 4})
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -100,7 +100,7 @@ def test_preemption_with_a_draft_model_keeps_outputs(tiny_model_dir, reference):
 def test_draft_kv_cache_catches_up_on_accepted_tokens(tiny_model_dir):
     """With the target as its own draft, the draft cache must hold the target's K/V wherever it
     claims to be valid, step after step (same weights, same tokens, same positions)."""
-    llm = LLM(tiny_model_dir, device="cpu",
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32",
               speculative_config={"method": "draft", "draft_model": tiny_model_dir, "num_speculative_tokens": 3})
     engine = llm.engine
     proposer = engine.speculator.proposer
@@ -130,7 +130,7 @@ SAMPLED = SamplingParams(n=3, temperature=0.8, top_p=0.9, seed=11, max_tokens=20
 
 @pytest.fixture(scope="module")
 def sampled_reference(tiny_model_dir):
-    llm = LLM(tiny_model_dir, device="cpu")
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32")
     return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, SAMPLED, use_tqdm=False)]
 
 
@@ -138,7 +138,7 @@ def sampled_reference(tiny_model_dir):
 def test_seeded_sampled_outputs_equal_non_speculative(name, tiny_model_dir, other_model_dir, sampled_reference):
     """Coupled verification: the same noise per (seed, sample, position), so the same tokens."""
     config = configs(tiny_model_dir, other_model_dir)[name]
-    llm = LLM(tiny_model_dir, device="cpu", speculative_config=config)
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", speculative_config=config)
     outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outs] == sampled_reference
     assert all(len(c.logprobs) == 20 for o in outs for c in o.outputs)
@@ -147,7 +147,7 @@ def test_seeded_sampled_outputs_equal_non_speculative(name, tiny_model_dir, othe
 
 
 def test_rejection_mode_is_reproducible_and_reports_its_seed(tiny_model_dir, other_model_dir):
-    llm = LLM(tiny_model_dir, device="cpu", speculative_config={
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", speculative_config={
         "method": "draft", "draft_model": other_model_dir, "num_speculative_tokens": 3, "acceptance": "rejection"})
     unseeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True)
     first = llm.generate(PROMPTS[:3], unseeded, use_tqdm=False)
@@ -159,7 +159,7 @@ def test_rejection_mode_is_reproducible_and_reports_its_seed(tiny_model_dir, oth
 
 
 def test_a_failing_proposer_fails_nothing(tiny_model_dir, reference, caplog):
-    llm = LLM(tiny_model_dir, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     calls = {"n": 0}
     real = llm.engine.speculator.proposer.propose
 
@@ -178,7 +178,7 @@ def test_a_failing_proposer_fails_nothing(tiny_model_dir, reference, caplog):
 
 
 def test_engine_loop_takes_the_config_through_the_engine(tiny_model_dir, reference):
-    llm = LLM(tiny_model_dir, device="cpu", speculative_config=SpeculativeConfig("suffix", 4))
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", speculative_config=SpeculativeConfig("suffix", 4))
     loop = EngineLoop(llm.engine).start()
     try:
         handles = [loop.submit(p, params=GREEDY) for p in PROMPTS]
@@ -191,7 +191,7 @@ def test_auto_counts_the_draft_steps_overhead(tiny_model_dir):
     """Time spent around the draft's forwards (layout, sampling) is measured and priced into
     every draft step of the cost model, so a draft that is slow only outside its forward still
     switches speculation off."""
-    llm = LLM(tiny_model_dir, device="cpu",
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32",
               speculative_config={"method": "draft", "draft_model": tiny_model_dir, "num_speculative_tokens": 3})
     spec = llm.engine.speculator
     for prompt in PROMPTS[:2]:
@@ -210,15 +210,50 @@ def test_auto_counts_the_draft_steps_overhead(tiny_model_dir):
 
 @pytest.mark.parametrize("name", [None, "ngram-k4", "draft-other-k2"])
 def test_compiled_decode_step_keeps_outputs(name, tiny_model_dir, other_model_dir, reference, sampled_reference):
-    """With ``compile_step`` decode steps run compiled and verification steps eagerly: greedy and
-    seeded sampled outputs still equal the eager non-speculative ones."""
+    """With ``compile_step`` decode and verification steps run compiled (a verification step as
+    one decode row per token): greedy and seeded sampled outputs still equal the eager
+    non-speculative ones."""
     from specbatch_kernels.cpu_ops import load_cpu_ops
 
     assert load_cpu_ops(), "the specbatch CPU ops did not build (a C++ compiler is on every machine we test on)"
     config = configs(tiny_model_dir, other_model_dir)[name] if name else None
-    llm = LLM(tiny_model_dir, device="cpu", speculative_config=config, compile_step=True)
-    assert llm.engine.runner.compiled is not None
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
-    outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", speculative_config=config, compile_step=True)
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None
+    verifications = []
+    run = compiled.run
+    compiled.run = lambda inputs: verifications.append(inputs.metadata.max_query_len > 1) or run(inputs)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+        outs = llm.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    finally:
+        del compiled.run
     assert [[c.token_ids for c in o.outputs] for o in outs] == sampled_reference
-    assert llm.engine.runner.compiled is not None  # nothing fell back to eager
+    assert llm.engine.runner.compiled is compiled  # nothing fell back to eager
+    assert any(verifications) == (name is not None)  # verification steps ran compiled too
+
+
+@pytest.mark.parametrize("name", ["ngram-k4", "suffix-k5"])
+def test_speculation_is_exact_in_bfloat16_through_the_compiled_step(name, flat_model_dir, tiny_model_dir,
+                                                                      other_model_dir):
+    """A verification row runs the decode graph as the step at its position would, so greedy
+    speculation equals no speculation bit for bit in bfloat16 too, on a model whose choices are
+    near ties (flat logits). Verification through the eager prefill path rounds otherwise: it
+    changed one of these five outputs under ngram-k4."""
+    from specbatch_kernels.cpu_ops import load_cpu_ops
+
+    assert load_cpu_ops(), "the specbatch CPU ops did not build"
+    plain = LLM(flat_model_dir, device="cpu", dtype="bfloat16", compile_step=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = LLM(flat_model_dir, device="cpu", dtype="bfloat16", compile_step=True,
+              speculative_config=configs(tiny_model_dir, other_model_dir)[name])
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None and plain.engine.runner.compiled is not None
+    verifications = []
+    run = compiled.run
+    compiled.run = lambda inputs: verifications.append(inputs.metadata.max_query_len > 1) or run(inputs)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    finally:
+        del compiled.run
+    assert any(verifications) and llm.engine.runner.compiled is compiled

@@ -26,7 +26,7 @@ NEAR_TIE = 1e-4
 
 def with_spec(smol_llm: LLM, config: dict) -> LLM:
     base = smol_llm.engine
-    engine_config = EngineConfig(model=base.config.model, device="cpu", speculative_config=config)
+    engine_config = EngineConfig(model=base.config.model, device="cpu", dtype=base.config.dtype, speculative_config=config)
     return LLM.from_engine(LLMEngine(engine_config, model=base.model, tokenizer=base.tokenizer))
 
 

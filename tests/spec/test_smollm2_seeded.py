@@ -67,7 +67,8 @@ KV_BYTES = 256 << 20  # 40 sequences of ~80 tokens fit; each engine here holds i
 
 
 def engine_over(base: LLM, **overrides) -> LLM:
-    config = EngineConfig(model=base.engine.config.model, device="cpu", kv_cache_memory_bytes=KV_BYTES, **overrides)
+    config = EngineConfig(model=base.engine.config.model, device="cpu", dtype=base.engine.config.dtype,
+                          kv_cache_memory_bytes=KV_BYTES, **overrides)
     return LLM.from_engine(LLMEngine(config, model=base.engine.model, tokenizer=base.engine.tokenizer))
 
 
@@ -188,7 +189,7 @@ def test_a_fresh_process_gives_the_batch_tokens(smollm2_dir, reference):
         "import json, sys\n"
         "from engine import LLM, SamplingParams\n"
         "from tests.spec.test_smollm2_seeded import convs, params\n"
-        f"llm = LLM({smollm2_dir!r}, device='cpu', max_num_seqs=16, kv_cache_memory_bytes={KV_BYTES})\n"
+        f"llm = LLM({smollm2_dir!r}, device='cpu', dtype='float32', max_num_seqs=16, kv_cache_memory_bytes={KV_BYTES})\n"
         "outs = llm.chat(convs(), [params(i) for i in range(32)], use_tqdm=False)\n"
         "print(json.dumps([o.outputs[0].token_ids for o in outs]))\n"
     )

@@ -167,7 +167,8 @@ def test_a_prompt_the_producer_tokenized_reaches_the_engine_as_its_ids_and_is_no
     with the producer's token ids; the claim hands the engine those ids, equal to what the engine
     would make of the text or conversation itself. A prompt proven to fit travels as its text
     and is tokenized once, by the worker process (``runtime.prompt_tokenizer``, a message's jobs
-    in one call), into the engine's own ids."""
+    in one call), into the engine's own ids. (A greedy or seeded prompt is tokenized at ingest
+    whatever its length: its result cache key is over its tokens; ``tests/worker/test_bulk_once.py``.)"""
     from worker.request.convert import request_from_row
     from worker.request.validate import TokenCounter
     from worker.run.runtime import prompt_tokenizer

@@ -106,6 +106,20 @@ def test_worker_metrics_move_with_the_jobs_and_end_equal_to_the_store(sqlite_url
         assert total(end, "specbatch:num_requests_running") == 0
         assert total(end, "specbatch:kv_cache_usage_perc") == 0.0
 
+        # The result cache: greedy rows computed once, then answered from it, as the store counts.
+        from worker.request.validate import TokenCounter
+
+        counter = TokenCounter(tiny_model_dir)
+        greedy = [{"custom_id": f"g{i}", "prompt": f"greedy {i}", "max_tokens": 4, "temperature": 0} for i in range(4)]
+        for name in ("computed", "answered"):
+            sub = client.submit_batch(greedy, name=f"{unique_queue}-{name}", count_tokens=counter,
+                                      max_model_len=counter.max_model_len)
+            client.wait(sub.batch_id, timeout=60)
+        cache = scrape(port)
+        assert total(cache, "specbatch:result_cache_misses_total") == 4
+        assert total(cache, "specbatch:result_cache_hits_total") == 4 == sub.ingest.cached
+        assert total(cache, "specbatch:result_cache_entries") == 4
+
         # One port per worker process: a second worker on the same port exits, saying why.
         clash = LocalWorker(settings, max_num_seqs=2, loglevel="info", log_path=str(tmp_path / "clash.log"),
                             extra_env={"SPECBATCH_METRICS_PORT": str(port)})

@@ -124,7 +124,7 @@ REFUSED = {  # refused: the line is bad and the error names the field
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "mp3"},
     "functions": [{"name": "f"}], "prediction": {"type": "content", "content": "x"},
     "stream_options": {"include_usage": True}, "guided_decoding_backend": "outlines", "echo": True, "best_of": 3,
-    "use_beam_search": True, "logits_processors": ["x.y"], "cache_salt": "s",
+    "use_beam_search": True, "logits_processors": ["x.y"],
     "web_search_options": {"search_context_size": "low"}, "prompt_logprobs": 1,
 }
 
@@ -142,6 +142,17 @@ def test_refused_fields_fail_their_line_naming_the_field(name):
     assert isinstance(bad, BadLine)
     assert bad.message.startswith(f"line 3: {name}: refused ("), bad.message
     assert error_param(bad.message) == name
+
+
+@pytest.mark.parametrize("salt, ok", [("tenant-a", True), ("", False), (7, False), ("x" * 256, False)])
+def test_cache_salt_is_kept_with_the_request_or_its_line_fails_naming_it(salt, ok):
+    """vLLM's ``cache_salt``: the job keeps it (it reaches the engine's prefix cache and the
+    result cache's key); a value that is not a string of 1-255 characters fails its line."""
+    got = parse_line(chat(cache_salt=salt), 3)
+    if ok:
+        assert isinstance(got, Request) and got.cache_salt == salt and got.params == SamplingParams()
+    else:
+        assert isinstance(got, BadLine) and got.message.startswith("line 3: cache_salt: must be a string"), got
 
 
 def test_non_text_content_parts_are_refused():

@@ -129,13 +129,13 @@ def test_the_claim_returns_the_request_it_claims(db_url):
     messages = [{"role": "user", "content": "hi ☃"}]
     store.upsert_jobs([
         job_row(model="m", messages=messages, id="chat", params={"temperature": 0, "logit_bias": {"7": 1.5}},
-                custom_id="c", priority=0, queue="q.interactive"),
+                custom_id="c", priority=0, queue="q.interactive", cache_salt="tenant", request_digest="d" * 32),
         job_row(model="m", prompt_token_ids_in=[1, 2, 3], id="ids", queue="q"),
     ])
     chat = store.claim("chat", worker="w", device="cpu", lease_s=60, max_attempts=3, queue="q.interactive")
     assert chat.job == {"model": "m", "prompt": None, "prompt_token_ids_in": None, "prompt_tokens": None, "messages": messages,
                         "params": {"temperature": 0, "logit_bias": {"7": 1.5}}, "priority": 0, "custom_id": "c",
-                        "queue": "q.interactive"}
+                        "queue": "q.interactive", "cache_salt": "tenant", "request_digest": "d" * 32}
     ids = store.claim_many(["ids"], worker="w", device="cpu", lease_s=0, max_attempts=3)[0]
     assert ids.job["prompt_token_ids_in"] == [1, 2, 3] and ids.job["queue"] == "q"  # no queue given: kept
     # Taking over an expired lease returns the request too (and records the lost attempt).

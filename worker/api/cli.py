@@ -110,10 +110,13 @@ def _local_worker_log(settings: Settings) -> str:
               help="A table's output limit per row (a max_tokens column overrides it).")
 @click.option("--temperature", type=float, default=None,
               help="A table's sampling temperature (a temperature column overrides it; 0 is greedy).")
+@click.option("--cache/--no-cache", default=None,
+              help="Answer greedy and seeded lines from the result cache and run a line asked twice once "
+                   "(default: on, SPECBATCH_CACHE).")
 @click.pass_context
 def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, device, concurrency, max_num_seqs,
         local_worker, timeout, speculative, draft_model, priority, max_in_flight, detach, fmt, prompt_column, template,
-        system, id_column, keep, n, json_schema, max_tokens, temperature):
+        system, id_column, keep, n, json_schema, max_tokens, temperature, cache):
     """Stream FILE into a batch (jobs start while it is read), follow progress, and write
     the output file as results arrive (in input order; a rerun resumes it).
 
@@ -153,7 +156,7 @@ def run(ctx, file, output, model, batch_name, served_model_name, retry_failed, d
         table_args = {} if plan is None else {"recipe": plan.recipe, "format": plan.table.format}
         reader = IngestThread(client, path, name=name, retry_failed=retry_failed, count_tokens=counter,
                               max_model_len=counter.max_model_len, priority=priority, max_in_flight=max_in_flight,
-                              **table_args)
+                              cache=cache, **table_args)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     started = time.time()
@@ -216,6 +219,8 @@ def _print_ingested(sub, name: str, unit: str = "line") -> None:
         f"batch [bold]{sub.batch_id}[/] ({name}): {sub.num_good} good {unit}s, {sub.num_bad} bad; "
         f"enqueued {r.enqueued} (published {sub.published} so far), "
         f"already succeeded {r.skipped_succeeded}, kept failed {r.skipped_failed}"
+        + (f"; answered from the result cache {r.cached}" if r.cached else "")
+        + (f"; run once for an earlier {unit} asking the same {r.duplicates}" if r.duplicates else "")
     )
     rate = f" ({r.num_lines / r.seconds:,.0f} {unit}s/s)" if r.seconds > 0 else ""
     first = f"; first chunk in {r.first_chunk_s:.2f} s" if r.first_chunk_s is not None else ""
@@ -344,9 +349,11 @@ class _Row:
               help="A JSON schema file: the output is a JSON value valid for it (checked again before success).")
 @click.option("--local-worker/--no-local-worker", default=True,
               help="With --wait: start a worker here if none consumes the queue (as `run` does).")
+@click.option("--cache/--no-cache", default=None,
+              help="Answer a greedy or seeded job from the result cache when it holds it (default: on, SPECBATCH_CACHE).")
 @click.pass_context
 def submit(ctx, prompt, chat, model, served_model_name, max_tokens, temperature, seed, custom_id, wait_s, priority,
-           json_schema, local_worker):
+           json_schema, local_worker, cache):
     """Enqueue one job and print its id (with --wait, wait for it and print its output line)."""
     embedded = not _settings(ctx).broker_url  # a Redis that lives as long as we do
     client = _client(_settings(ctx, model=model, served_model_name=_names(served_model_name)))
@@ -361,9 +368,9 @@ def submit(ctx, prompt, chat, model, served_model_name, max_tokens, temperature,
     try:
         if chat:
             job_id = client.submit(messages=[{"role": "user", "content": prompt}], params=params, custom_id=custom_id,
-                                   priority=priority)
+                                   priority=priority, cache=cache)
         else:
-            job_id = client.submit(prompt, params=params, custom_id=custom_id, priority=priority)
+            job_id = client.submit(prompt, params=params, custom_id=custom_id, priority=priority, cache=cache)
     except ValueError as exc:  # SamplingParams names the field
         raise click.UsageError(str(exc)) from None
     click.echo(job_id)
@@ -375,7 +382,8 @@ def submit(ctx, prompt, chat, model, served_model_name, max_tokens, temperature,
                           f"shared REDIS_URL (`{hint}`), or submit with --wait to run one here", soft_wrap=True)
         return
     worker = None
-    if local_worker and (embedded or not client.workers_consuming(settings.queue_name)):
+    answered = client.store.get_job(job_id).status == "succeeded"  # from the result cache: nothing to run
+    if local_worker and not answered and (embedded or not client.workers_consuming(settings.queue_name)):
         from worker.run.local import LocalWorker
 
         log_path = _local_worker_log(settings)
@@ -634,6 +642,32 @@ def cancel(ctx, target):
         raise click.ClickException(f"no batch or job {target!r}")
     ids = client.cancel(target)
     console.print(f"cancelled {len(ids)} job(s)")
+
+
+@cli.group()
+def cache() -> None:
+    """The result cache: greedy and seeded results, answered at ingest the next time they are asked."""
+
+
+@cache.command("stats")
+@click.pass_context
+def cache_stats(ctx):
+    """Entries, size, and hits, misses and duplicates merged so far."""
+    from worker.api.status_view import cache_line
+    from worker.store.store import Store
+
+    store = Store(_settings(ctx).database_url)
+    click.echo(cache_line(store.cache_stats(), _settings(ctx).cache_max_bytes))  # stdout: the answer asked for
+
+
+@cache.command("clear")
+@click.pass_context
+def cache_clear(ctx):
+    """Drop every cached result (jobs keep theirs)."""
+    from worker.store.store import Store
+
+    dropped = Store(_settings(ctx).database_url).clear_cache()
+    console.print(f"dropped {dropped} cached result(s)")
 
 
 @cli.group()

@@ -9,6 +9,7 @@ reuses one producer and connection and builds each Celery message directly.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,16 @@ from worker.request.formats import MAX_CUSTOM_ID, BadLine, Request, output_line
 from worker.ingest.stream import Ingest, IngestResult
 from worker.ingest.tables import Table, table_source, default_recipe
 from worker.request.table_rows import RowRecipe
-from worker.store.models import TERMINAL
+from worker.store.models import SUCCEEDED, TERMINAL
 from worker.dispatch.pacer import Pacer
 from worker.dispatch.publish import publish_jobs
+from worker.request.cache_key import is_cacheable
 from worker.request.convert import openai_sampling_params, with_seed
 from worker.store.sqltypes import stored_length
 from worker.store.rows import job_row
 from worker.store.store import Store
+
+log = logging.getLogger(__name__)
 
 CountTokens = Callable[[Request], int]
 
@@ -111,6 +115,8 @@ class Client:
         job_id: str | None = None,
         priority: int | str = INTERACTIVE,
         user: str | None = None,
+        cache: bool | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Store and enqueue one job; returns its id (reusing ``job_id`` is idempotent).
 
@@ -119,6 +125,9 @@ class Client:
         stored params carry every default and a seed, so any worker runs the job the same way.
         ``priority``: ``"interactive"`` (the default: a service waiting for its answer),
         ``"bulk"``, or an integer (lower is more urgent; <= 0 rides the interactive lane).
+        ``cache`` (default: the ``cache`` setting, on): a greedy or seeded job whose result is in
+        the result cache is answered at once (stored succeeded, never queued); the prompt is
+        tokenized here for its key. ``cache_salt``: vLLM's tenant salt (prefix cache and results).
         """
         priority = parse_priority(priority)
         if (prompt is None) == (messages is None):
@@ -128,15 +137,48 @@ class Client:
         if not isinstance(params, SamplingParams):
             params = openai_sampling_params(params or {})
         model = self.model_for(model)
+        seed_given = params.seed is not None
         row = job_row(
             id=job_id, model=model, custom_id=custom_id, messages=messages,
             params=with_seed(params).to_dict(only_set=True), queue=self.queue_for(model, priority), priority=priority, user=user,
             prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None,
+            prompt_token_ids_in=list(prompt) if isinstance(prompt, list) else None, cache_salt=cache_salt,
         )
-        with_db_retry("submit", lambda: self.store.upsert_jobs([row]))
+        written = False
+        if (self.settings.cache if cache is None else cache) and is_cacheable(params.temperature, seed_given):
+            written = self._answer_from_cache(row, params)
+            if row["status"] == SUCCEEDED:
+                return row["id"]  # answered: nothing to run
+        if not written:
+            with_db_retry("submit", lambda: self.store.upsert_jobs([row]))
         self.publish([row])
         return row["id"]
+
+    def _answer_from_cache(self, row: dict[str, Any], params: SamplingParams) -> bool:
+        """Key a greedy or seeded job (its prompt tokenized as the engine would) and write it:
+        answered (succeeded) when the result cache holds its answer, else to run. False: it
+        could not be keyed, and nothing was written."""
+        from worker.request.cache_key import cache_key, request_digest
+        from worker.request.validate import token_counter
+
+        try:
+            counter = token_counter(row["model"])
+            request = Request(0, row["custom_id"] or "", row["endpoint"], params, prompt=row["prompt"],
+                              prompt_token_ids=row["prompt_token_ids_in"], messages=row["messages"])
+            tokens = counter.tokenize(request)
+        except Exception:  # no tokenizer here, or a prompt it refuses: the worker's engine says why
+            log.debug("job %s not keyed for the result cache", row["id"], exc_info=True)
+            return False
+        row.update(prompt_tokens=tokens, request_digest=request_digest(tokens, row["params"], row["cache_salt"]))
+        model_key = self._cache_model(row["model"])
+        if model_key is None:
+            return False
+        entry = self.store.cached_results([cache_key(model_key, row["request_digest"])])
+        hit = next(iter(entry.values()), None)
+        if hit is not None:
+            row.update(self.store.hit_values(hit, time.time()))
+        with_db_retry("submit", lambda: self.store.write_single(row, hit_key=None if hit is None else hit.key))
+        return True
 
     def submit_batch(
         self,
@@ -152,6 +194,7 @@ class Client:
         on_chunk: Callable[[IngestResult], None] | None = None,
         recipe: RowRecipe | None = None,
         format: str | None = None,
+        cache: bool | None = None,
     ) -> BatchSubmission:
         """Stream the lines into a batch, a chunk at a time, publishing its first jobs as the
         first chunks land (``worker.ingest.stream``); returns when every line is written.
@@ -169,6 +212,11 @@ class Client:
         each row built into a request by ``recipe`` (``RowRecipe``: a prompt column or a template
         over the columns; default: the column ``prompt``). A recipe that can never work (a
         template that does not parse, a column the table lacks) raises ``ValueError`` at once.
+
+        ``cache`` (default: the ``cache`` setting, on): greedy and seeded rows whose result is in
+        the result cache are answered now, never queued; rows of the batch asking the same are
+        run once (``worker.store.results_cache``). Needs ``count_tokens`` (the key is over the
+        prompt's tokens).
         """
         t0 = time.perf_counter()
         priority = parse_priority(priority)
@@ -180,10 +228,13 @@ class Client:
             recipe = recipe or default_recipe(table)
             recipe.check()
             recipe.columns_used(table.column_names)
+        cache = self.settings.cache if cache is None else cache
         ingest = Ingest(self.store, model=model, queue_for=self.queue_for, priority=priority,
                         retry_failed=retry_failed, count_tokens=count_tokens, max_model_len=max_model_len,
                         pace=lambda: self.pace(model), on_chunk=on_chunk, served=self.settings.served_names,
-                        recipe=recipe if table is not None else None)
+                        recipe=recipe if table is not None else None, cache=cache,
+                        prefix_order=self.settings.prefix_order,
+                        cache_model=self._cache_model(model) if cache and count_tokens is not None else None)
         params: dict[str, Any] = {"retry_failed": retry_failed}
         if table is not None:
             params["table"] = {"format": table.format, "recipe": recipe.to_dict()}
@@ -191,6 +242,18 @@ class Client:
                             input_file=str(source) if isinstance(source, (str, Path)) else None,
                             params=params, max_in_flight=max_in_flight)
         return BatchSubmission(result.batch_id, result, result.published, time.perf_counter() - t0)
+
+    def _cache_model(self, model: str) -> str | None:
+        """The model key results of ``model`` are cached under, as this process's settings run
+        it (``worker.request.cache_key.model_key_of``); None: the cache is not looked up."""
+        from worker.request.cache_key import model_key_of
+
+        try:
+            return model_key_of(self.store, self.settings, model)
+        except Exception:  # the cache is an optimisation: the batch runs without it
+            log.warning("the result cache is not looked up: the model's digest could not be worked out",
+                        exc_info=True)
+            return None
 
     def pace(self, model: str | None = None) -> int:
         """One pacer tick on the model's lanes: publish the first window of open batches now

@@ -26,7 +26,8 @@ from worker.store.store import Store
 #: Columns a report reads (never prompts or outputs); all numeric but the status.
 METRIC_COLUMNS = ("status", "enqueued_at", "started_at", "first_scheduled_at", "first_token_at", "finished_at",
                   "queue_wait_s", "ttft_s", "tpot_s", "num_output_tokens", "num_draft_tokens",
-                  "num_accepted_tokens", "max_batch_size")
+                  "num_accepted_tokens", "max_batch_size", "num_prompt_tokens", "num_cached_tokens", "cached",
+                  "duplicate_of")
 SLOWEST, FAILED_SHOWN = 20, 100
 MAX_SCATTER = 20_000  # points drawn per scatter plot (a random sample beyond that)
 
@@ -52,7 +53,8 @@ def load_metrics(store: Store, batch_id: str) -> Metrics:
     for chunk in store.iter_job_columns(batch_id, METRIC_COLUMNS):
         statuses.append(np.array([r[0] for r in chunk], dtype=object))
         for i, name in enumerate(METRIC_COLUMNS[1:], start=1):
-            parts[name].append(np.array([np.nan if r[i] is None else r[i] for r in chunk], dtype=np.float64))
+            parts[name].append(np.array([np.nan if r[i] is None else 1.0 if isinstance(r[i], str) else r[i]
+                                         for r in chunk], dtype=np.float64))  # a string (an id): present
     status = np.concatenate(statuses) if statuses else np.array([], dtype=object)
     cols = {c: (np.concatenate(v) if v else np.array([], dtype=np.float64)) for c, v in parts.items()}
     return Metrics(status, cols)
@@ -75,12 +77,18 @@ def summarize(m: Metrics, counts: dict[str, int]) -> dict[str, Any]:
     drafts = float(np.nansum(m["num_draft_tokens"][ok])) if ok.any() else 0.0
     accepted = float(np.nansum(m["num_accepted_tokens"][ok])) if ok.any() else 0.0
     latency = (m["finished_at"] - m["started_at"])[ok]
+    cached = ok & (m["cached"] == 1.0)
+    copies = ok & np.isfinite(m["duplicate_of"])
+    computed = ok & ~cached & ~copies  # a cached answer or a copy carries its computing run's counts
+    prompt = float(np.nansum(m["num_prompt_tokens"][computed]))
     return {
         "jobs": int(sum(counts.values())), **{s: counts.get(s, 0) for s in STATUSES},
         "output_tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,
         "jobs_per_s": int(ok.sum()) / wall if wall else None,
         "acceptance": accepted / drafts if drafts else None,
+        "answered_from_cache": int(cached.sum()), "duplicates_run_once": int(copies.sum()),
+        "prefix_cache_hit_rate": float(np.nansum(m["num_cached_tokens"][computed])) / prompt if prompt else None,
         **{f"{name}_p{q}": pct(values, q)
            for name, values in (("ttft", m["ttft_s"][ok]), ("tpot", m["tpot_s"][ok]), ("latency", latency),
                                 ("queue_wait", m["queue_wait_s"][ok]))
@@ -258,6 +266,12 @@ def summary_table(s: dict[str, Any]) -> str:
         ("tokens-per-s", "output tokens/s", s["tokens_per_s"], _num(s["tokens_per_s"], 1)),
         ("jobs-per-s", "jobs/s", s["jobs_per_s"], _num(s["jobs_per_s"], 2)),
         ("acceptance", "draft acceptance", s["acceptance"], _num(s["acceptance"], 1, 100, " %")),
+        ("prefix-cache-hit-rate", "prefix-cache hit rate (prompt tokens of computed jobs)",
+         s["prefix_cache_hit_rate"], _num(s["prefix_cache_hit_rate"], 1, 100, " %")),
+        ("answered-from-cache", "answered from the result cache", s["answered_from_cache"],
+         str(s["answered_from_cache"])),
+        ("duplicates-run-once", "run once for an earlier job asking the same", s["duplicates_run_once"],
+         str(s["duplicates_run_once"])),
     ]
     for name, label, scale, digits in (("queue_wait", "queue wait", 1e3, 1), ("ttft", "TTFT", 1e3, 1),
                                        ("tpot", "TPOT", 1e3, 2), ("latency", "latency (start → finish)", 1e3, 1)):

@@ -75,6 +75,7 @@ class Snapshot:
     running_by_worker: dict[str, int]
     single_jobs: list[dict[str, Any]] = field(default_factory=list)  # newest jobs outside any batch
     lease_s: float = 60.0  # a worker whose heartbeat is older is shown ``lost``
+    cache: dict[str, Any] | None = None  # ``Store.cache_stats()``
 
     @property
     def active(self) -> bool:
@@ -122,7 +123,8 @@ def take_snapshot(store: Store, batch: Batch | None = None, *, window_s: float =
     batches = [batch] if batch is not None else store.batches(limit)
     return Snapshot(now, batch_views(store, batches, now, window_s, latencies=batch is not None),
                     store.workers(), store.running_counts_by_worker(),
-                    store.single_jobs(limit) if batch is None else [], lease_s=settings().lease_seconds)
+                    store.single_jobs(limit) if batch is None else [], lease_s=settings().lease_seconds,
+                    cache=store.cache_stats())
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -241,6 +243,14 @@ def jobs_table(snap: Snapshot) -> RenderableType | None:
     return Group(Text("single jobs", style="bold"), table)
 
 
+def cache_line(stats: dict[str, Any], max_bytes: int | None = None) -> str:
+    """The result cache in one line: entries and size (of its bound), hits, misses, duplicates."""
+    size = f"{stats['bytes'] / 2**10:,.1f} KiB" + (f" of {max_bytes / 2**20:,.0f} MiB" if max_bytes else "")
+    rate = "-" if stats["hit_rate"] is None else f"{100 * stats['hit_rate']:.0f} %"
+    return (f"result cache: {stats['entries']} entries, {size}; hits {stats['hits']}, misses {stats['misses']} "
+            f"(hit rate {rate}), duplicates run once {stats['duplicates']}")
+
+
 def render(snap: Snapshot, detail: bool) -> RenderableType:
     parts: list[RenderableType] = []
     workers = workers_table(snap)
@@ -253,6 +263,8 @@ def render(snap: Snapshot, detail: bool) -> RenderableType:
         jobs = jobs_table(snap)
         if jobs is not None:
             parts.append(jobs)
+    if snap.cache is not None and (snap.cache["entries"] or snap.cache["hits"] or snap.cache["misses"]):
+        parts.append(Text(cache_line(snap.cache, settings().cache_max_bytes)))
     parts.append(Text(time.strftime("as of %Y-%m-%d %H:%M:%S", time.localtime(snap.taken_at)), style="dim"))
     return Group(*parts)
 

@@ -127,7 +127,11 @@ class Settings:
                                                   "unset: the engine's default.", int, group="engine")
     kv_cache_bytes: int | None = _setting("KV_CACHE_BYTES", None, "Bytes of paged KV cache; unset: the engine's "
                                           "default.", int, group="engine")
-    dtype: str | None = _setting("DTYPE", None, "Weights dtype; unset: the engine's default.", group="engine")
+    dtype: str | None = _setting(
+        "DTYPE", None,
+        "Weights dtype; unset: auto (bfloat16 on CUDA and on CPUs with native bf16, AVX512_BF16 or AMX; float32 "
+        "elsewhere and with int8). Set `float32` to match a float32 reference (HF `generate` on the CPU).",
+        group="engine")
     quantization: str | None = _setting("QUANTIZATION", None, "`int8`: opt-in int8 linears on the CPU.",
                                         group="engine")
     speculative: str | None = _setting("SPECULATIVE", None, "Speculative decoding `METHOD[:K]` (ngram, suffix, "
@@ -188,6 +192,13 @@ class Settings:
                                      "a row group once this many finished rows wait.", int, group="queue")
     table_flush_seconds: float = _setting("TABLE_FLUSH_SECONDS", 5.0, "… or this many seconds after its last one: "
                                           "what a killed run has already written.", float, group="queue")
+    cache: bool = _setting("CACHE", True, "`0`: no result cache nor duplicate merging (greedy and seeded jobs "
+                           "are answered from earlier runs and computed once a batch by default).", bool, group="queue")
+    prefix_order: bool = _setting("PREFIX_ORDER", True, "`0`: publish a bulk batch's rows in line order, not "
+                                  "grouped by the prompt prefix (system prompt, template head) they share.", bool,
+                                  group="queue")
+    cache_max_bytes: int = _setting("CACHE_MAX_BYTES", 1 << 30, "The result cache's bound: the least recently "
+                                    "used entries go beyond it.", int, group="queue")
     auto_migrate: bool = _setting("AUTO_MIGRATE", False, "`1`: PostgreSQL stores upgrade their schema on open "
                                   "(SQLite always does).", bool, group="queue")
 
@@ -251,6 +262,8 @@ ENGINE_VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("KERNEL_BACKEND", "", "`torch` or `triton`: the kernels' backend (unset: `triton` on CUDA, `torch` elsewhere)."),
     ("COMPILE_WEIGHTS", "packed", "With `compile_step`: `packed` (our prepacked linears, called by handle; cached on "
      "disk) or `frozen` (inductor's freezing, recompiled every start), to measure one against the other."),
+    ("COMPILE_SAVE", "1", "With `compile_step`: `1` compiles the decode graph ahead of time and saves it in "
+     "`SPECBATCH_CACHE_DIR/compiled_step` (later starts load it without tracing); `0` traces it at every start."),
     ("FAULTS", "", "Test-only fault switches (a JSON object); inert unless set."),
 )
 

@@ -44,12 +44,13 @@ class ParseProcess:
     def __init__(self, path: str | Path, *, model: str, priority: int, chunk: int,
                  counter_model: str | None = None, max_model_len: int | None = None,
                  served: Sequence[str] = (), table_format: str | None = None,
-                 recipe: dict[str, Any] | None = None) -> None:
+                 recipe: dict[str, Any] | None = None, cache: bool = True, prefix_order: bool = True) -> None:
         """``table_format`` and ``recipe``: ``path`` is a table whose rows the recipe builds
         (``worker.ingest.tables``, ``worker.request.table_rows``), else Batch JSONL lines."""
         spec = {"path": str(path), "model": model, "priority": priority, "served": list(served),
                 "chunk": chunk, "parent": os.getpid(), "counter_model": counter_model, "max_model_len": max_model_len,
-                "table_format": table_format, "recipe": recipe}
+                "table_format": table_format, "recipe": recipe, "cache": cache,
+                "prefix_order": prefix_order}
         self._stderr = tempfile.TemporaryFile()
         repo = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
@@ -147,7 +148,8 @@ def run(spec: dict[str, Any], inp: IO[bytes], out: IO[bytes]) -> None:
         lines = ((n, raw) for n, raw in numbered_lines(spec["path"]) if n > start_after)
     for i, chunk in enumerate(chunked(lines, spec["chunk"], spec["chunk"])):
         entries = parse_chunk(chunk, model=spec["model"], priority=spec["priority"], count_tokens=count_tokens,
-                              max_model_len=spec["max_model_len"], served=spec["served"], recipe=recipe)
+                              max_model_len=spec["max_model_len"], served=spec["served"], recipe=recipe,
+                              cache=spec.get("cache", True), prefix_order=spec.get("prefix_order", True))
         pickle.dump(entries, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
         if i % 64 == 63:

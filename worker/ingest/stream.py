@@ -29,12 +29,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from worker.request.formats import BadLine
-from worker.ingest.parse import GOOD, INVALID, CountTokens, Entry, chunked, numbered_lines, parse_chunk
+from worker.ingest.parse import GOOD, INVALID, LEVELS, CountTokens, Entry, chunked, numbered_lines, parse_chunk
+from worker.request.cache_key import prefix_key
 from worker.ingest.parse_process import ParseProcess
 from worker.ingest.tables import Table
 from worker.request.table_rows import RowRecipe
 from worker.store.rows import INSERT_CHUNK, job_row
 from worker.store.store import Store
+from worker.store.ingest_writes import Once
 from worker.request.validate import TokenCounter
 
 #: The first chunk is small, so the first jobs are published within moments of the command.
@@ -71,6 +73,8 @@ class IngestResult:
     seconds: float = 0.0
     first_chunk_s: float | None = None  # from the start until the first chunk was written and paced
     parsed_in_child: int = 0  # lines parsed by the child process (``worker.ingest.parse_process``)
+    cached: int = 0  # rows answered from the result cache (never queued)
+    duplicates: int = 0  # rows that asked what an earlier row of the batch asks (run once, copied)
 
     @property
     def num_lines(self) -> int:
@@ -140,6 +144,9 @@ class Ingest:
         on_chunk: Callable[[IngestResult], None] | None = None,
         served: Sequence[str] = (),
         recipe: RowRecipe | None = None,
+        cache: bool = True,
+        cache_model: str | None = None,
+        prefix_order: bool = True,
     ) -> None:
         self.store = store
         self.model = model
@@ -158,6 +165,14 @@ class Ingest:
         self.child_min_bytes = child_min_bytes
         self.on_chunk = on_chunk
         self.seen = SeenIds()
+        # Bulk once (``worker.store.results_cache``): greedy and seeded rows get a request
+        # digest (``cache``), are answered from the result cache under ``cache_model`` (the
+        # model key; None: not looked up) and run once however often a batch asks them.
+        self.cache = cache
+        self.cache_model = cache_model if cache else None
+        self.seen_digests = SeenIds()  # request digests of earlier chunks (64-bit), as custom_ids
+        self.seen_levels = SeenIds()  # prompt-prefix hashes of earlier chunks (``_prefix_keys``)
+        self.prefix_order = prefix_order  # off: every row's prefix_key is NULL (line order)
         self._pending: Future | None = None  # the chunk the writer thread holds
         self.parser: ParseProcess | None = None  # the child parsing the rest of a file, while it runs
 
@@ -183,7 +198,9 @@ class Ingest:
         def write(rows: list[dict[str, Any]], invalid: list[dict[str, Any]], bad: list[BadLine]) -> None:
             nonlocal last_pace
             written = self.store.write_chunk(batch_id, rows, invalid, reopened=reopened,
-                                             retry_failed=self.retry_failed)
+                                             retry_failed=self.retry_failed, once=self._once(batch_id, rows))
+            result.cached += written.cached
+            result.duplicates += written.duplicates
             result.num_good += len(rows)  # counted once stored, so ``on_chunk`` sees what is written
             result.num_bad += len(bad)
             result.bad_lines += bad[: max(0, KEEP_BAD - len(result.bad_lines))]
@@ -232,7 +249,8 @@ class Ingest:
                                        priority=self.priority, chunk=self.chunk, counter_model=counter_model,
                                        max_model_len=self.max_model_len, served=self.served,
                                        table_format=table.format if table is not None else None,
-                                       recipe=self.recipe.to_dict() if table is not None else None)
+                                       recipe=self.recipe.to_dict() if table is not None else None,
+                                       cache=self.cache, prefix_order=self.prefix_order)
         if table is not None:
             assert self.recipe is not None
             lines = table.records(self.recipe.columns_used(table.column_names))
@@ -267,12 +285,44 @@ class Ingest:
 
     def _parse(self, lines: Sequence[tuple[int, Any]]) -> list[Entry]:
         return parse_chunk(lines, model=self.model, priority=self.priority, count_tokens=self.count_tokens,
-                           max_model_len=self.max_model_len, served=self.served, recipe=self.recipe)
+                           max_model_len=self.max_model_len, served=self.served, recipe=self.recipe,
+                           cache=self.cache, prefix_order=self.prefix_order)
 
     def _wait_for_writer(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def _once(self, batch_id: str, rows: list[dict[str, Any]]) -> "Once | None":
+        """What bulk once does to a chunk's rows (in the writer thread, after every earlier
+        chunk is stored): cache hits to answer, duplicates of earlier rows to hold."""
+        keyed = [r for r in rows if r.get("request_digest") is not None]
+        if not keyed:
+            return None
+        once = Once()
+        if self.cache_model is not None:
+            from worker.request.cache_key import cache_key
+
+            keys = {r["id"]: cache_key(self.cache_model, r["request_digest"]) for r in keyed}
+            found = self.store.cached_results(list(keys.values()))
+            once.hits = {job_id: found[key] for job_id, key in keys.items() if key in found}
+        rest = [r for r in keyed if r["id"] not in once.hits]
+        hashes = np.fromiter((_hash(r["request_digest"]) for r in rest), dtype=np.int64, count=len(rest))
+        earlier = self.seen_digests.lookup(hashes)
+        maybe = [r["request_digest"] for r, hit in zip(rest, earlier.tolist()) if hit]
+        firsts = self.store.first_of_digest(batch_id, maybe) if maybe else {}
+        new_h: list[int] = []
+        for r, h in zip(rest, hashes.tolist()):
+            digest = r["request_digest"]
+            first = firsts.get(digest)
+            if first is None:
+                firsts[digest] = r["id"]  # the first of its digest in this batch: it runs
+                new_h.append(h)
+                once.misses += 1
+            else:
+                once.duplicate_of[r["id"]] = first
+        self.seen_digests.add(np.array(new_h, dtype=np.int64))
+        return once
 
     def _invalid_row(self, b: BadLine) -> dict[str, Any]:
         return job_row(model=self.model, custom_id=b.custom_id, line_no=b.line_no, error=b.message)
@@ -298,7 +348,29 @@ class Ingest:
                 rows.append(value)
             else:
                 bad.append(BadLine(line_no, value, None if first else cid, unit=self.unit))
+        self._prefix_keys(rows)
         return rows, bad
+
+    def _prefix_keys(self, rows: list[dict[str, Any]]) -> None:
+        """Each row's ``prefix_key`` from its prefix hashes (``parse.LEVELS``, taken out of the
+        row): a level counts where another row of the batch has it too, earlier or in this chunk
+        (64-bit hashes in bounded memory, as custom_ids), so rows behind a shared head are
+        published together and the rest keep line order."""
+        levels = [r.pop(LEVELS, None) or [] for r in rows]
+        flat = np.fromiter((h for lv in levels for h in lv), dtype=np.int64)
+        if not len(flat):
+            for r in rows:
+                r["prefix_key"] = None
+            return
+        before = self.seen_levels.lookup(flat)
+        uniq, counts = np.unique(flat, return_counts=True)
+        twice = set(uniq[counts > 1].tolist())
+        shared = [bool(b) or h in twice for h, b in zip(flat.tolist(), before.tolist())]
+        at = 0
+        for r, lv in zip(rows, levels):
+            r["prefix_key"] = prefix_key(lv, shared[at:at + len(lv)])
+            at += len(lv)
+        self.seen_levels.add(uniq)
 
     def _dedup(self, entries: list[Entry], batch_id: str) -> list[int]:
         """For each entry, the earlier line holding its custom_id, or 0 (the first of its id)."""

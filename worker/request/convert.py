@@ -180,6 +180,7 @@ class WorkRequest:
     messages: list[dict[str, Any]] | None
     params: SamplingParams
     priority: int = 1  # the engine's scheduling priority (worker.dispatch.lanes); bulk when unset
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
 
     @property
     def prompt_token_ids(self) -> list[int] | None:
@@ -208,7 +209,7 @@ def request_from_row(job: dict[str, Any]) -> WorkRequest:
     from worker.request.priority import parse_priority
 
     return WorkRequest(prompt, messages, SamplingParams.from_stored({} if params is None else params),
-                       parse_priority(job.get("priority")))
+                       parse_priority(job.get("priority")), job.get("cache_salt"))
 
 
 def _brief(value: Any) -> str:

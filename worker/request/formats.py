@@ -123,6 +123,7 @@ class Request:
     model: str | None = None
     priority: int | None = None  # None: the batch's priority
     user: str | None = None  # OpenAI's end-user id: stored with the job, returned in the output
+    cache_salt: str | None = None  # vLLM's: tenants with different salts share no cached work
 
 
 @dataclass(slots=True)
@@ -258,6 +259,11 @@ def parse_line(raw: str | bytes, line_no: int, *, model: str | None = None,
             if not isinstance(user, str) or not 0 < stored_length(user) <= MAX_USER:
                 raise _FieldError(f"user: must be a string of 1 to {MAX_USER} characters")
             req.user = user
+        salt = (parsed_body.model_extra or {}).get("cache_salt")
+        if salt is not None:
+            if not isinstance(salt, str) or not 0 < stored_length(salt) <= MAX_USER:
+                raise _FieldError(f"cache_salt: must be a string of 1 to {MAX_USER} characters")
+            req.cache_salt = salt
         given = parsed_body.priority
         if given is not None:
             try:
@@ -324,6 +330,10 @@ def _metrics(job) -> dict[str, Any]:
         "num_accepted_tokens": job.num_accepted_tokens,
         "acceptance_rate": acc,
         "max_batch_size": job.max_batch_size,
+        # Answered from the result cache (``cached_timings``: the run that computed it), or by the
+        # run of an earlier job of the batch asking the same (rows read before migration 0008: neither).
+        "cached": bool(getattr(job, "cached", False)),
+        "duplicate_of": getattr(job, "duplicate_of", None),
     }
 
 

@@ -22,7 +22,7 @@ BOTH: tuple[Endpoint, ...] = ("chat", "completions")
 #: Fields the body models read themselves (not sampling parameters).
 BODY_FIELDS = frozenset({"messages", "prompt", "model"})
 #: Honoured fields that belong to the job, not to ``SamplingParams`` (the batch reader keeps them).
-JOB_FIELDS = frozenset({"user", "priority"})
+JOB_FIELDS = frozenset({"user", "priority", "cache_salt"})
 
 
 def _absent(value: Any, _endpoint: Endpoint) -> bool:
@@ -104,6 +104,7 @@ _RULES = [
     FieldRule("min_tokens", BOTH, V, "honoured", "EOS and stop tokens are banned until a sample has this many tokens"),
     FieldRule("skip_special_tokens", BOTH, V, "honoured", "drop special tokens from the text"),
     FieldRule("user", BOTH, OV, "honoured", "OpenAI's end-user id (1-255 characters): stored with the job and returned as specbatch.user in its output line; it does not change caching or routing"),
+    FieldRule("cache_salt", BOTH, V, "honoured", "vLLM's tenant salt (1-255 characters): requests with different salts share neither prefix-cache blocks nor cached results"),
     # -- accepted and ignored -----------------------------------------------------------
     FieldRule("safety_identifier", CHAT, O, "ignored", "OpenAI's abuse-monitoring id; there is no monitoring here"),
     FieldRule("metadata", CHAT, O, "ignored", "tags for OpenAI's stored completions; results are kept in specbatch's store by job"),
@@ -158,7 +159,6 @@ _RULES = [
     FieldRule("guided_decoding_backend", BOTH, V, "refused", "the grammar backend is always xgrammar"),
     FieldRule("guided_whitespace_pattern", BOTH, V, "refused", "JSON is generated compact (json.dumps separators); a custom whitespace pattern is not supported"),
     FieldRule("logits_processors", BOTH, V, "refused", "no user code runs in the workers"),
-    FieldRule("cache_salt", BOTH, V, "refused", "prefix-cache salting is not passed through batch lines yet"),
     FieldRule("kv_transfer_params", BOTH, V, "refused", "disaggregated serving is not supported"),
     FieldRule("vllm_xargs", BOTH, V, "refused", "no custom extensions run here"),
 ]

@@ -78,14 +78,43 @@ class EngineCollector(Collector):
             yield self._counter(name, doc, stats.get(key, 0))
 
 
+class ResultCacheCollector(EngineCollector):
+    """The result cache's figures (``Store.cache_stats``: one aggregate query) when Prometheus
+    scrapes. They are the store's, shared by every worker on it: take ``max``, not ``sum``,
+    across workers."""
+
+    def describe(self) -> Iterable[Any]:
+        """Nothing: registering must not query the store (the worker registers its metrics while
+        it builds the store the query would need)."""
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        try:
+            stats = self._stats()
+        except Exception:  # the database is away: export nothing rather than fail the scrape
+            log.debug("result cache stats unavailable", exc_info=True)
+            return
+        yield self._counter("specbatch:result_cache_hits", "Jobs answered from the result cache at ingest.",
+                            stats["hits"])
+        yield self._counter("specbatch:result_cache_misses", "Greedy or seeded jobs not in the result cache.",
+                            stats["misses"])
+        yield self._counter("specbatch:result_cache_duplicates",
+                            "Jobs run once for an earlier job of their batch asking the same.", stats["duplicates"])
+        yield self._gauge("specbatch:result_cache_entries", "Results in the result cache.", stats["entries"])
+        yield self._gauge("specbatch:result_cache_bytes", "Bytes of the result cache's entries.", stats["bytes"])
+
+
 class WorkerMetrics:
     """The process's registry: engine collector, step and job observations, and its HTTP server."""
 
-    def __init__(self, *, model: str, worker: str, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, *, model: str, worker: str, stats: Callable[[], dict[str, Any]],
+                 cache_stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.labels = {"model_name": model, "worker": worker}
         names = list(self.labels)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineCollector(stats, self.labels))
+        if cache_stats is not None:
+            self.registry.register(ResultCacheCollector(cache_stats, self.labels))
         r = self.registry
         self.step_seconds = Histogram("specbatch:step_duration_seconds", "Wall time of one engine step.",
                                       names, buckets=STEP_BUCKETS, registry=r)

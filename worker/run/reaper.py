@@ -96,11 +96,23 @@ class Reaper(PeriodicThread):
         if time.monotonic() - self._last_orphan_sweep >= self.orphan_interval:
             self._last_orphan_sweep = time.monotonic()
             orphans = self._orphans()
+            self._settle_cache()
         if orphans:
             publish_jobs(self.app, orphans, self._queue_of)
             self.store.mark_published([r["id"] for r in orphans], recovered=True)
             log.warning("re-published %d queued job(s) whose message was lost", len(orphans))
         return {"reaped": len(reaped), "orphans": len(orphans)}
+
+    def _settle_cache(self) -> None:
+        """Bulk once's upkeep, at the orphans' pace: duplicates whose row ended without
+        settling them are settled, and the result cache is held to its bound."""
+        settled = self.store.settle_stray_duplicates()
+        if settled:
+            log.warning("settled %d duplicate job(s) whose first row had ended without them", settled)
+        evicted = self.store.evict_cache(settings().cache_max_bytes)
+        if evicted:
+            log.info("evicted %d result cache entries (least recently used) to stay under %d bytes",
+                     evicted, settings().cache_max_bytes)
 
     def _queue_of(self, row: dict[str, Any]) -> str:
         return row.get("queue") or self.queues[0]

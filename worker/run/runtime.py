@@ -185,6 +185,23 @@ class Runtime:
     settings: Settings = field(default_factory=settings)  # the process's, read once; its tasks read them here
     tokenizer: Any = None  # a TokenCounter once loaded: prompts tokenized here, not in the engine (``prompt_tokenizer``)
     tokenizer_asked: bool = False  # its load has begun (at the first message of several jobs)
+    _cache_model: Any = field(default=None, repr=False)  # ``cache_model()``'s answer once known ((key,) or (None,))
+
+    def cache_model(self, store: Any) -> str | None:
+        """The model key this worker's results are cached under (``worker.request.cache_key``),
+        worked out at the first result that may be cached; None: nothing is cached (the cache
+        is off, or the model is not a local file whose digest says what it is)."""
+        if self._cache_model is None:
+            key = None
+            if self.settings.cache:
+                from worker.request.cache_key import model_key_of
+
+                try:
+                    key = model_key_of(store, self.settings, self.model)
+                except Exception:  # the cache is an optimisation: a result is stored without it
+                    log.warning("no result cache: the model's digest could not be worked out", exc_info=True)
+            self._cache_model = (key,)
+        return self._cache_model[0]
 
     def heartbeats(self, store: Any, interval: float) -> Any:
         """The process's one ``Heartbeat`` (refreshing every running job's lease), started once."""
@@ -348,7 +365,7 @@ def _make_metrics(model: str, label: str) -> Any:
     from worker.run.metrics import WorkerMetrics
 
     return WorkerMetrics(model=model, worker=_worker_name or worker_name(label),
-                         stats=lambda: _runtime.loop.stats())
+                         stats=lambda: _runtime.loop.stats(), cache_stats=lambda: store().cache_stats())
 
 
 def serve_metrics(rt: Runtime) -> None:

@@ -30,6 +30,7 @@ from worker.dispatch.app import GROUP_TASK_NAME, TASK_NAME, app
 from worker.common.config import serves
 from worker.store.dbretry import with_db_retry
 from worker.request.logprobs import Pieces, pack
+from worker.request.cache_key import cache_key
 from worker.store.models import FAILED, SUCCEEDED
 from worker.dispatch.publish import message_job_ids, publish_groups, publish_jobs
 from worker.request.convert import WorkRequest, request_from_row
@@ -230,7 +231,8 @@ def start_claimed(rt: runtime.Runtime, store, claimed: list[tuple[int, str, Clai
     if submitting:
         submitting = tokenized(rt.batch_tokenizer() if len(submitting) > 1 else rt.tokenizer, submitting)
         requests = [dict(prompt=req.prompt, messages=req.messages, params=req.params,
-                         request_id=f"{claimed[pos][1]}#{claimed[pos][2].attempt}", priority=req.priority)
+                         request_id=f"{claimed[pos][1]}#{claimed[pos][2].attempt}", priority=req.priority,
+                         cache_salt=req.cache_salt)
                     for pos, req in submitting]
         try:
             handles: list[Any] = rt.loop.submit_many(requests)
@@ -378,8 +380,9 @@ def wait_and_store(rt: runtime.Runtime, store,
                     continue
                 to_store.append((r, values))
             if to_store:
+                cache = cache_entries(rt, store, to_store)
                 stored = with_db_retry("store result", lambda: store.finish_many(
-                    [(r.job_id, r.attempt, values) for r, values in to_store]), until_written=True)
+                    [(r.job_id, r.attempt, values) for r, values in to_store], cache), until_written=True)
                 for (r, values), ok in zip(to_store, stored):
                     heartbeat.untrack(r.job_id, r.attempt)
                     rt.forget_inflight(r.job_id, r.request_id)
@@ -393,6 +396,16 @@ def wait_and_store(rt: runtime.Runtime, store,
         for r in running:  # an error above: those not stored stay running; their leases expire
             heartbeat.untrack(r.job_id, r.attempt)
             rt.forget_inflight(r.job_id, r.request_id)
+
+
+def cache_entries(rt: runtime.Runtime, store, results: list[tuple[Running, dict[str, Any]]]) -> dict[str, tuple[str, str]]:
+    """job id -> (result cache key, model key) of the results that may be cached: greedy or
+    seeded jobs (they have a request digest) on a model whose identity is known."""
+    keyed = [r for r, _values in results if r.job.get("request_digest")]
+    model = rt.cache_model(store) if keyed else None
+    if model is None:
+        return {}
+    return {r.job_id: (cache_key(model, r.job["request_digest"]), model) for r in keyed}
 
 
 def result_values(out, *, logprobs: int | None = None, pieces: Pieces | None = None,

@@ -24,7 +24,30 @@ class PreparedBatch:
     skipped_succeeded: int = 0
     skipped_failed: int = 0
     invalid: int = 0
+    cached: int = 0  # answered from the result cache: written succeeded
+    duplicates: int = 0  # held for an earlier row of the batch that asks the same
 
+
+@dataclass(slots=True)
+class Once:
+    """What bulk once decided of a chunk's new rows (``worker.ingest.stream``): by job id, the
+    cache entry that answers it, or the earlier row of the batch it duplicates; ``misses``:
+    keyed rows that will run."""
+
+    hits: dict[str, Any] = field(default_factory=dict)
+    duplicate_of: dict[str, str] = field(default_factory=dict)
+    misses: int = 0
+
+
+def _same_keys(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of one bulk insert need the same columns: a cache hit's or a duplicate's extra
+    ones are given (as NULL) to the rest."""
+    keys: dict[str, None] = {}
+    for r in rows:
+        keys.update(dict.fromkeys(r))
+    if all(len(r) == len(keys) for r in rows):
+        return rows
+    return [r if len(r) == len(keys) else {k: r.get(k) for k in keys} for r in rows]
 
 
 class IngestWrites(StoreBase):
@@ -86,6 +109,7 @@ class IngestWrites(StoreBase):
         *,
         reopened: bool,
         retry_failed: bool = False,
+        once: Once | None = None,
     ) -> PreparedBatch:
         """Write one chunk of a batch's rows in one transaction (so a large file never holds
         SQLite's write lock for long and heartbeats interleave), idempotently by custom_id.
@@ -97,6 +121,9 @@ class IngestWrites(StoreBase):
         Rows to run are written unpublished (``published_at`` NULL): the pacer (``worker.dispatch.pacer``)
         publishes them a window at a time, round-robin between batches, under ``max_in_flight``.
         Bad input lines are stored as failed jobs so exports have every line.
+        ``once``: new rows answered from the result cache are written succeeded, and new
+        duplicates of an earlier row are written queued but never published (that row's end
+        settles them: ``worker.store.results_cache``); both are counted in the same transaction.
         """
         now = time.time()
         prepared = PreparedBatch(batch_id=batch_id)
@@ -108,12 +135,26 @@ class IngestWrites(StoreBase):
                     select(Job.id, Job.custom_id, Job.status).where(Job.batch_id == batch_id, Job.custom_id.in_(cids)))}
             new_rows: list[dict[str, Any]] = []
             requeue_ids: list[str] = []
+            # A reopened batch's row that exists keeps its stored id: a duplicate of it names that.
+            stored_as = {row["id"]: existing[row["custom_id"]].id for row in rows if row["custom_id"] in existing}
+            used: list[str] = []  # the cache entries that answered rows written now
             for row in rows:
                 old = existing.get(row["custom_id"])
                 if old is None:
                     r = dict(row, batch_id=batch_id, enqueued_at=now, published_at=None, status=QUEUED)
+                    hit = once.hits.get(r["id"]) if once is not None else None
+                    first = once.duplicate_of.get(r["id"]) if once is not None else None
+                    first = stored_as.get(first, first)
+                    if hit is not None:
+                        r.update(self.hit_values(hit, now))  # type: ignore[attr-defined]  # ResultCache
+                        used.append(hit.key)
+                        prepared.cached += 1
+                    elif first is not None:
+                        r.update(duplicate_of=first, published_at=now)  # held: never the pacer's
+                        prepared.duplicates += 1
+                    else:
+                        prepared.to_enqueue.append(r)
                     new_rows.append(r)
-                    prepared.to_enqueue.append(r)
                 elif old.status == SUCCEEDED:
                     prepared.skipped_succeeded += 1
                 elif old.status in (FAILED, CANCELLED) and not retry_failed:
@@ -122,8 +163,15 @@ class IngestWrites(StoreBase):
                     requeue_ids.append(old.id)
                     prepared.to_enqueue.append(dict(row, id=old.id, batch_id=batch_id, enqueued_at=now))
             if new_rows:
+                new_rows = _same_keys(new_rows)
                 if reopened or not self._copy_jobs(conn, new_rows):
                     self.upsert_jobs(new_rows, conn=conn)
+            if once is not None:
+                firsts = sorted({f for r in new_rows if (f := r.get("duplicate_of")) is not None})
+                if firsts:
+                    self.mark_has_duplicates(conn, firsts)  # type: ignore[attr-defined]
+                self.note_cache_use(conn, used, misses=once.misses,  # type: ignore[attr-defined]
+                                    duplicates=prepared.duplicates, now=now)
             if requeue_ids:
                 # Retried failures go back to queued with fresh attempts (the fence still only
                 # grows); queued/running rows keep their status (a running attempt stays fenced).
@@ -135,7 +183,8 @@ class IngestWrites(StoreBase):
                 )
                 # Queued ones go back to the pacer (a lost message is re-published that way too);
                 # running ones keep their attempt and lease (the reaper has them if they die).
-                conn.execute(update(Job).where(Job.id.in_(requeue_ids), Job.status == QUEUED)
+                conn.execute(update(Job).where(Job.id.in_(requeue_ids), Job.status == QUEUED,
+                                               Job.duplicate_of.is_(None))  # a duplicate waits for its row
                              .values(published_at=None))
             bad = [dict(r, batch_id=batch_id, status=FAILED, error_type=INVALID_INPUT, enqueued_at=now,
                         finished_at=now) for r in invalid_rows]

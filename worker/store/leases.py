@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from sqlalchemy import Boolean, Connection, Integer, String, Text, bindparam, func, insert, literal, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -90,7 +90,8 @@ _CLAIM_QUEUED = (
 
 
 #: The attempts of jobs about to get their results, their rows locked until the write.
-_FINISH_OWNERS = (select(Job.id, Job.attempts, Job.status, Job.finished_at)
+_FINISH_OWNERS = (select(Job.id, Job.attempts, Job.status, Job.finished_at, Job.has_duplicates, Job.worker, Job.device,
+                         Job.started_at, Job.queue_wait_s)
                   .where(Job.id.in_(bindparam("p_job_ids", expanding=True)))
                   .with_for_update())
 
@@ -242,22 +243,29 @@ class Leases(StoreBase):
         """Write a final result (status in ``values``) if ``attempt`` still owns the job."""
         return self.finish_many([(job_id, attempt, values)])[0]
 
-    def finish_many(self, results: Sequence[tuple[str, int, dict[str, Any]]]) -> list[bool]:
+    def finish_many(self, results: Sequence[tuple[str, int, dict[str, Any]]],
+                    cache: Mapping[str, tuple[str, str]] | None = None) -> list[bool]:
         """``finish`` of each (job id, attempt, values) in one write; True where it was stored.
 
         Retried with the same values after a commit whose answer was lost (a connection cut
         mid-commit), a result already stored by that commit (the same attempt, status and
-        ``finished_at``) is True, not refused as if another attempt owned the job."""
+        ``finished_at``) is True, not refused as if another attempt owned the job.
+        ``cache``: job id -> (result cache key, model key) of jobs whose success is cached in the
+        same transaction (``worker.store.results_cache``); a job's duplicates in its batch are
+        settled in it too."""
         def write(conn: Connection) -> list[bool]:
             ids = [job_id for job_id, _, _ in results]
             if len(set(ids)) < len(ids):  # a job twice: each write fenced by the one before it
-                return [conn.execute(_finish_statement(tuple(values)), _finish_params(job_id, attempt, values)).rowcount == 1
-                        for job_id, attempt, values in results]
+                stored = [conn.execute(_finish_statement(tuple(values)), _finish_params(job_id, attempt, values)).rowcount == 1
+                          for job_id, attempt, values in results]
+                self._after_results(conn, [r for r, ok in zip(results, stored) if ok], cache, ids, {})
+                return stored
             # Which attempts still own their jobs, read with the rows locked (SQLite's write
             # transactions are exclusive already), then one statement for all of them: a
             # statement a result cost a round trip each on PostgreSQL.
             current = {row.id: row for row in conn.execute(_FINISH_OWNERS, {"p_job_ids": ids})}
             owned, stored_before = [], set()
+            copied = [row.id for row in current.values() if row.has_duplicates]
             for job_id, attempt, values in results:
                 row = current.get(job_id)
                 if row is None or row.attempts != attempt:
@@ -272,10 +280,30 @@ class Leases(StoreBase):
                 by_columns.setdefault(tuple(values), []).append(_finish_params(job_id, attempt, values))
             for columns, params in by_columns.items():
                 conn.execute(_finish_statement(columns), params)
+            self._after_results(conn, owned, cache, copied, current)
             owners = {job_id for job_id, _, _ in owned} | stored_before
             return [job_id in owners for job_id in ids]
 
         return self._write_op(write) if results else []
+
+    def _after_results(self, conn: Connection, written: Sequence[tuple[str, int, dict[str, Any]]],
+                       cache: Mapping[str, tuple[str, str]] | None, copied: Sequence[str],
+                       rows: Mapping[str, Any]) -> None:
+        """In a result's transaction: cache what may be cached (with the attempt's own timings,
+        read with the rows: worker, device, start), settle the rows duplicating it."""
+        if cache and written:
+            now = time.time()
+            entries = []
+            for job_id, _, values in written:
+                if job_id in cache:
+                    row = rows.get(job_id)
+                    attempt = {"id": job_id} if row is None else {
+                        "id": job_id, "worker": row.worker, "device": row.device, "started_at": row.started_at,
+                        "queue_wait_s": row.queue_wait_s}
+                    entries.append((*cache[job_id], dict(values, **attempt)))
+            self.keep_results(conn, entries, now)  # type: ignore[attr-defined]  # ResultCache, a sibling part of Store
+        if copied:
+            self.settle_duplicates(conn, copied)  # type: ignore[attr-defined]
 
     def fail(self, job_id: str, attempt: int, error: str, error_type: str = "generation_error",
              finished_at: float | None = None) -> bool:

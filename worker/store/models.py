@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, UniqueConstraint, text
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, String, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from worker.store.sqltypes import (  # user text may hold NUL (see sqltypes)
@@ -66,10 +66,17 @@ class Job(Base):
         # many jobs of other queues (lanes, models) the batch or the table holds. PostgreSQL
         # does not order by line_no through ``published_at IS NULL``: a partial index there
         # (migration 0005 says why).
-        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "queue", "line_no").ddl_if(dialect="sqlite"),
-        Index("ix_jobs_unpublished", "batch_id", "queue", "line_no",
+        # Order: shared prompt prefixes together (``prefix_key``, migration 0008), then line order.
+        Index("ix_jobs_pacing", "batch_id", "status", "published_at", "queue", "prefix_key", "line_no").ddl_if(dialect="sqlite"),
+        Index("ix_jobs_unpublished", "batch_id", "queue", "prefix_key", "line_no",
               postgresql_where=text("status = 'queued' AND published_at IS NULL")).ddl_if(dialect="postgresql"),
         Index("ix_jobs_batch_line", "batch_id", "line_no", "id"),  # input order: output files, export
+        # A batch's duplicates, and a computed row's copies (settled with it): partial indexes,
+        # so the rows that are neither cost a bulk insert nothing more (migration 0008).
+        Index("ix_jobs_batch_digest", "batch_id", "request_digest", sqlite_where=text("request_digest IS NOT NULL"),
+              postgresql_where=text("request_digest IS NOT NULL")),
+        Index("ix_jobs_duplicate_of", "duplicate_of", sqlite_where=text("duplicate_of IS NOT NULL"),
+              postgresql_where=text("duplicate_of IS NOT NULL")),
     )
 
     id: Mapped[str] = mapped_column(NulSafeString(64), primary_key=True)
@@ -94,6 +101,20 @@ class Job(Base):
     queue: Mapped[str | None] = mapped_column(String(255))  # the Redis queue its messages go to
     priority: Mapped[int | None]  # lower is more urgent (worker.dispatch.lanes); None is the bulk lane's
     user: Mapped[str | None] = mapped_column(NulSafeString(255))  # OpenAI's end-user id, as given
+    cache_salt: Mapped[str | None] = mapped_column(NulSafeString(255))  # vLLM's: tenants share no cache
+    # Bulk once (migration 0008). ``request_digest``: what the result is a pure function of,
+    # besides the model (``worker.request.cache_key``); NULL: never cached nor deduplicated (an
+    # unseeded sampled request, or ``cache=False``). ``prefix_key``: the pacer's order, prompts
+    # that share a prefix next to each other. ``duplicate_of``: the row of the same batch whose
+    # run answers this one (it is never published; settled with it); ``has_duplicates`` marks
+    # that row. ``cached``: answered from the result cache at ingest; ``cached_timings``: the
+    # timings of the run that computed it (this row's own say when it was answered).
+    request_digest: Mapped[str | None] = mapped_column(String(32))
+    prefix_key: Mapped[bytes | None] = mapped_column(LargeBinary)
+    duplicate_of: Mapped[str | None] = mapped_column(NulSafeString(64))
+    has_duplicates: Mapped[bool | None] = mapped_column(Boolean)
+    cached: Mapped[bool | None] = mapped_column(Boolean)
+    cached_timings: Mapped[dict[str, Any] | None]
     worker: Mapped[str | None] = mapped_column(String(255))
     device: Mapped[str | None] = mapped_column(String(64))
     # results
@@ -181,3 +202,43 @@ class Worker(Base):
     heartbeat_at: Mapped[float | None]
     stopped_at: Mapped[float | None]
     exit_code: Mapped[int | None]  # the code its last exit was recorded with (state ``exited``)
+
+
+class CachedResult(Base):
+    """One result of the exact result cache (``worker.store.results_cache``): a greedy or seeded
+    request's answer, keyed by the model's identity and the request's digest; a hit is answered
+    at ingest and never reaches a queue or an engine."""
+
+    __tablename__ = "results_cache"
+    __table_args__ = (Index("ix_results_cache_used", "used_at"),)
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)  # (model key, request digest)
+    model_key: Mapped[str] = mapped_column(String(32), index=True)
+    result: Mapped[dict[str, Any]]  # the job's result columns
+    timings: Mapped[dict[str, Any]]  # the computing run's timings, kept apart
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    hits: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float]
+    used_at: Mapped[float]  # eviction is by age of last use
+
+
+class ModelDigest(Base):
+    """A model's files, digested once (``engine.model_digest``) and remembered by their path,
+    sizes and modification times: a changed file is digested again."""
+
+    __tablename__ = "model_digests"
+
+    path: Mapped[str] = mapped_column(NulSafeText, primary_key=True)
+    signature: Mapped[str] = mapped_column(String(64))
+    digest: Mapped[str] = mapped_column(String(64))
+    computed_at: Mapped[float]
+    seconds: Mapped[float]
+
+
+class CacheCounter(Base):
+    """Counters of the result cache since the store was made: hits, misses, duplicates."""
+
+    __tablename__ = "cache_counters"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -1,5 +1,5 @@
 """The pacer's reads and writes (``worker.dispatch.pacer``): open batches, what each has in
-flight, and its next unpublished jobs in line order."""
+flight, and its next unpublished jobs (by shared prompt prefix, then line order)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,14 @@ UNPUBLISHED = and_(Job.status == literal(QUEUED, literal_execute=True), Job.publ
 
 
 def unpublished_select(batch_id: str, queue: str, limit: int) -> Select:
-    """The batch's next ``limit`` unpublished queued jobs of ``queue``, in line order, as their
-    messages need them (``MESSAGE_FIELDS``): an ordered index range on either database (migration 0005)."""
+    """The batch's next ``limit`` unpublished queued jobs of ``queue``, prompts sharing a prefix
+    together (``prefix_key``: ``worker.request.cache_key``), then in line order, as their
+    messages need them (``MESSAGE_FIELDS``): an ordered index range on either database
+    (migrations 0005, 0008). Published grouped, a bulk batch's rows behind one system prompt
+    reach an engine together and share its KV blocks, instead of evicting each other's."""
     cols = [getattr(Job, f) for f in MESSAGE_FIELDS]
-    return select(*cols).where(Job.batch_id == batch_id, UNPUBLISHED, Job.queue == queue).order_by(Job.line_no).limit(limit)
+    return (select(*cols).where(Job.batch_id == batch_id, UNPUBLISHED, Job.queue == queue)
+            .order_by(Job.prefix_key, Job.line_no).limit(limit))
 
 
 
@@ -44,12 +48,13 @@ class Pacing(StoreBase):
             return conn.execute(
                 select(func.count()).select_from(Job).where(
                     Job.batch_id == batch_id,
-                    or_(Job.status == RUNNING, and_(Job.status == QUEUED, Job.published_at.is_not(None))),
-                )
+                    or_(Job.status == RUNNING, and_(Job.status == QUEUED, Job.published_at.is_not(None),
+                                                    Job.duplicate_of.is_(None))),
+                )  # a held duplicate is not in flight: counted, it could fill the cap its first row waits on
             ).scalar_one()
 
     def take_unpublished(self, batch_id: str, queue: str, limit: int) -> list[dict[str, Any]]:
-        """Mark the batch's next ``limit`` unpublished queued jobs of ``queue`` (in line order)
+        """Mark the batch's next ``limit`` unpublished queued jobs of ``queue`` (``unpublished_select``'s order)
         published, and return them as their messages need them (``MESSAGE_FIELDS``). Empty when none are left."""
         with self.reader.connect() as conn:
             rows = conn.execute(unpublished_select(batch_id, queue, limit)).mappings().all()

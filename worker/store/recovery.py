@@ -52,6 +52,8 @@ class Recovery(StoreBase):
                 )
                 if res.rowcount == 1:
                     conn.execute(attempt_ended(row["id"], row["attempts"], LOST, lost, charged=True, now=now))
+                    if exhausted:
+                        self.settle_duplicates(conn, [row["id"]])  # type: ignore[attr-defined]  # ResultCache
             if res.rowcount == 1 and not exhausted:
                 requeued.append(dict(row))
         return requeued
@@ -65,6 +67,7 @@ class Recovery(StoreBase):
                 select(Job.id, Job.queue).where(
                     Job.status == QUEUED, Job.queue.in_(list(queues)),
                     Job.published_at < cutoff,  # NULL: not published yet, the pacer's to send
+                    Job.duplicate_of.is_(None),  # a duplicate is never published: its first row answers it
                 ).limit(limit)
             ).all()
         return [(r.id, r.queue) for r in rows]

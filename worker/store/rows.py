@@ -49,7 +49,8 @@ MESSAGE_FIELDS = ("id", "queue", "model", "priority", "params", "batch_id", "cus
 
 #: What a won claim returns of its job (``UPDATE … RETURNING``): the worker's request, from
 #: the store, never from a message.
-CLAIM_FIELDS = ("model", "prompt", "prompt_token_ids_in", "prompt_tokens", "messages", "params", "priority", "custom_id", "queue")
+CLAIM_FIELDS = ("model", "prompt", "prompt_token_ids_in", "prompt_tokens", "messages", "params", "priority", "custom_id",
+                "queue", "cache_salt", "request_digest")
 
 
 def job_row(
@@ -73,6 +74,9 @@ def job_row(
     queue: str | None = None,
     priority: int | None = None,
     user: str | None = None,
+    cache_salt: str | None = None,
+    request_digest: str | None = None,
+    prefix_key: bytes | None = None,
 ) -> dict[str, Any]:
     """A complete ``jobs`` row as a dict (every row of a bulk insert has the same keys)."""
     return {
@@ -93,6 +97,9 @@ def job_row(
         "queue": queue,
         "priority": priority,
         "user": user,
+        "cache_salt": cache_salt,
+        "request_digest": request_digest,
+        "prefix_key": prefix_key,
         "enqueued_at": enqueued_at if enqueued_at is not None else time.time(),
         "published_at": enqueued_at if enqueued_at is not None else time.time(),
         "error": error,

@@ -10,7 +10,8 @@ across threads (Sessions never are).
 ``Store`` is one object made of parts by concern, each its own module: the connection
 (``connection``), what a row is (``rows``), the producer's writes (``ingest_writes``), a
 worker's attempts (``leases``), recovery of lost leases and messages (``recovery``), the pacer's
-queries (``pacing``), the workers table (``workers``) and reads (``reads``).
+queries (``pacing``), the workers table (``workers``), reads (``reads``) and the result cache
+with duplicates computed once (``results_cache``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from worker.store.leases import Leases
 from worker.store.pacing import Pacing
 from worker.store.reads import Reads
 from worker.store.recovery import Recovery
+from worker.store.results_cache import ResultCache
 from worker.store.workers import WorkerRegistry
 
 
-class Store(IngestWrites, Leases, Recovery, Pacing, WorkerRegistry, Reads):
+class Store(IngestWrites, Leases, Recovery, Pacing, WorkerRegistry, Reads, ResultCache):
     """Jobs, batches and workers in SQL (SQLite or PostgreSQL): one per process, shared by its threads."""

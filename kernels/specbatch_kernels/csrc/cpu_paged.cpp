@@ -16,6 +16,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -52,9 +54,66 @@ inline const float* as_float(const T* row, float* scratch, int64_t n) {
   return scratch;
 }
 
+// bfloat16 -> float32 is a 16-bit shift (exact): vectorized, since a bf16 cache converts every
+// K and V row it reads (done one element at a time, it was most of a bf16 decode's attention).
+template <>
+inline const float* as_float<c10::BFloat16>(const c10::BFloat16* row, float* scratch, int64_t n) {
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; d + 16 <= n; d += 16) {
+    __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
+    _mm512_storeu_ps(scratch + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; d + 8 <= n; d += 8) {
+    __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+    _mm256_storeu_ps(scratch + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
+  }
+#endif
+  for (; d < n; ++d) scratch[d] = static_cast<float>(row[d]);
+  return scratch;
+}
+
+// x[0:n] = exp(x[0:n] - m), returning their sum (vectorized: Sleef's exp through ATen).
+inline float exp_shifted_sum(float* x, float m, int64_t n) {
+  const Vec mv(m);
+  Vec total(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = (Vec::loadu(x + j) - mv).exp();
+    e.store(x + j);
+    total = total + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
 template <>
 inline const float* as_float<float>(const float* row, float*, int64_t) {
   return row;
+}
+
+// acc[h] = sum over rows j of p[h][j] * v_j (of h's KV head), j ascending: the same FMAs, in the
+// same order, as one axpy per row, with the head's accumulator held in VECS registers.
+template <int VECS>
+inline void weighted_sums(const float* p, const float* const* vrows, int64_t n, int64_t heads, int64_t group,
+                          int64_t dim, float* acc) {
+  for (int64_t h = 0; h < heads; ++h) {
+    Vec a[VECS];
+    for (int t = 0; t < VECS; ++t) a[t] = Vec(0.f);
+    const float* ph = p + h * n;
+    const int64_t offset = (h / group) * dim;
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec pj(ph[j]);
+      const float* v = vrows[j] + offset;
+      for (int t = 0; t < VECS; ++t) a[t] = at::vec::fmadd(pj, Vec::loadu(v + t * Vec::size()), a[t]);
+    }
+    for (int t = 0; t < VECS; ++t) a[t].store(acc + h * dim + t * Vec::size());
+  }
 }
 
 template <typename T>
@@ -77,7 +136,8 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
   // head is one contiguous read, block after block (prefetch-friendly); the query heads that
   // share a KV head (GQA) use the same row.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(heads * dim), acc(heads * dim), scratch(kv_heads * dim), scores, inv_sum(heads);
+    std::vector<float> q(heads * dim), acc(heads * dim), scratch(kv_heads * dim), scores, inv_sum(heads), vbuf;
+    std::vector<const float*> vrows;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = ctx_ptr[b];
       T* o = o_ptr + b * heads * dim;
@@ -103,21 +163,27 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
         float* sc = scores.data() + h * n;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
-        float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          sc[j] = std::exp(sc[j] - m);
-          total += sc[j];
-        }
-        inv_sum[h] = 1.f / total;
+        inv_sum[h] = 1.f / exp_shifted_sum(sc, m, n);
       }
-      // Pass 2: every V row once, weighted into each head's accumulator.
-      std::fill(acc.begin(), acc.end(), 0.f);
+      // Pass 2: every V row as floats once (float32 read in place, bfloat16 widened into a
+      // buffer), then each head's weighted sum over the rows, in registers where the head fits.
+      vrows.resize(n);
+      if (!std::is_same_v<T, float>) vbuf.resize(n * kv_heads * dim);
       for (int64_t j = first; j < ctx; ++j) {
         const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
-        const float* v = as_float<T>(v_ptr + slot * kv_heads * dim, scratch.data(), kv_heads * dim);
-        for (int64_t h = 0; h < heads; ++h) {
-          axpy(scores[h * n + (j - first)], v + (h / group) * dim, acc.data() + h * dim, dim);
-        }
+        float* widened = vbuf.empty() ? scratch.data() : vbuf.data() + (j - first) * kv_heads * dim;  // bf16 only
+        vrows[j - first] = as_float<T>(v_ptr + slot * kv_heads * dim, widened, kv_heads * dim);
+      }
+      switch (dim % Vec::size() == 0 ? dim / Vec::size() : 0) {
+        case 4: weighted_sums<4>(scores.data(), vrows.data(), n, heads, group, dim, acc.data()); break;
+        case 8: weighted_sums<8>(scores.data(), vrows.data(), n, heads, group, dim, acc.data()); break;
+        default:
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t j = 0; j < n; ++j) {
+            for (int64_t h = 0; h < heads; ++h) {
+              axpy(scores[h * n + j], vrows[j] + (h / group) * dim, acc.data() + h * dim, dim);
+            }
+          }
       }
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = static_cast<T>(acc[h * dim + d] * inv_sum[h]);
