@@ -21,9 +21,14 @@ def _cpu_ops_built():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("group", [1, 3])
-def test_decode_attention_equals_reference(dtype, window, group):
-    ctx = [1, 15, 16, 17, 50, 33]
-    case = make_case(ctx, [1] * len(ctx), group=group, dtype=dtype, sliding_window=window, seed=len(ctx) + group)
+@pytest.mark.parametrize("head_dim,batch", [(64, 6), (64, 70), (128, 1), (128, 70), (48, 6)])
+def test_decode_attention_equals_reference(dtype, window, group, head_dim, batch):
+    """Head sizes 64 and 128 take the vectorized path on AVX-512 builds (48 the generic one), a
+    few sequences split by KV head and many (70: more than 4 per thread on any machine we run)
+    whole; contexts around the 16-token tiles and blocks."""
+    ctx = ([1, 15, 16, 17, 50, 33] * 12)[:batch] if batch > 1 else [77]
+    case = make_case(ctx, [1] * len(ctx), num_kv_heads=3, group=group, head_dim=head_dim, dtype=dtype,
+                     sliding_window=window, seed=len(ctx) + group)
     want = paged_attention_torch(*case.upcast_args())
     got = cpu_ops.paged_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
                                          case.context_lens, case.scale, window)
