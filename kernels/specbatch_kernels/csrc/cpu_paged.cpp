@@ -19,6 +19,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -260,20 +262,28 @@ void attend_heads(const T* q, const T* const* krows, const T* const* vrows, int6
 }
 
 // Work items: whole sequences where there are enough of them (each K and V row read in one
-// pass), a sequence's KV heads apart otherwise (a batch of 1 uses both cores).
+// pass), a sequence's KV heads apart otherwise (a batch of 1 uses both cores). Threads take
+// items as they finish, longest contexts first: contexts differ, and static halves of the batch
+// left one core waiting for the other at the end of every call.
 template <typename T, int DV>
 void decode_attention_avx512(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int32_t* tables,
                              int64_t table_width, const int32_t* ctx_ptr, int64_t batch, int64_t heads,
                              int64_t kv_heads, int64_t block_size, float scale, int64_t sliding_window, T* o_ptr) {
   constexpr int64_t dim = DV * 16;
   const int64_t group = heads / kv_heads;
-  const int64_t parts = batch >= 4 * at::get_num_threads() ? 1 : kv_heads;  // items per sequence
-  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = batch >= 4 * threads ? 1 : kv_heads;  // items per sequence
+  std::vector<int64_t> order(batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_ptr[a] > ctx_ptr[b]; });
+  const int64_t total = batch * parts;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, inv_sum;
     std::vector<const T*> krows, vrows;
     int64_t rows_of = -1;  // the sequence whose row pointers krows/vrows hold
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / parts;
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
+      const int64_t b = order[item / parts];
       const int64_t g0 = parts == 1 ? 0 : item % parts, g1 = parts == 1 ? kv_heads : g0 + 1;
       const int64_t ctx = ctx_ptr[b];
       T* o = o_ptr + b * heads * dim;
