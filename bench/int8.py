@@ -127,30 +127,49 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--compile-step", action=argparse.BooleanOptionalAction, default=True,
+                        help="both engines through the compiled decode step (int8 by handle, as eager)")
+    parser.add_argument("--speed-only", action="store_true", help="skip the quality sections and the kernel table")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     path = resolve_model(args.model)
     print(f"# python bench/int8.py {' '.join(sys.argv[1:])}")
     print(describe_machine())
-    fp32 = LLM(path, device="cpu", max_num_seqs=64)
-    int8 = LLM(path, device="cpu", max_num_seqs=64, quantization="int8")
+    # float32 named: "auto" is bfloat16 on CPUs with native bf16, and int8 is measured against fp32.
+    fp32 = LLM(path, device="cpu", max_num_seqs=64, dtype="float32", compile_step=args.compile_step)
+    int8 = LLM(path, device="cpu", max_num_seqs=64, dtype="float32", quantization="int8",
+               compile_step=args.compile_step)
+    print(f"fp32: {fp32.engine.runner.describe()}\nint8: {int8.engine.runner.describe()}")
     convs, _ = long_tail_workload(args.num_prompts, 2)
     prompts = [fp32.engine.apply_chat_template(c) for c in convs]
+    if not args.speed_only:
+        quality(fp32, int8, prompts, args.tokens)
+    speed(fp32, int8, prompts[:6], args)
+    if not args.speed_only:
+        print("kernels:")
+        for line in kernel_table():
+            print("  " + line)
+    print(describe_machine().replace("machine:", "machine at the end:"))
 
+
+def quality(fp32: LLM, int8: LLM, prompts, tokens: int) -> None:
+    """Held-out log-likelihood, greedy agreement and batch coupling of int8 against fp32."""
     ll32, n = mean_loglik(fp32.engine, HELD_OUT)
     ll8, _ = mean_loglik(int8.engine, HELD_OUT)
     print(f"held-out text ({n} scored tokens): mean token log-likelihood fp32 {ll32:.4f}, int8 {ll8:.4f} "
           f"({(ll8 - ll32) / abs(ll32):+.2%}); perplexity {torch.tensor(-ll32).exp():.2f} vs {torch.tensor(-ll8).exp():.2f}")
-    out32, out8 = greedy(fp32, prompts, args.tokens), greedy(int8, prompts, args.tokens)
+    out32, out8 = greedy(fp32, prompts, tokens), greedy(int8, prompts, tokens)
     same, frac = agreement(out32, out8)
-    print(f"greedy agreement over {len(prompts)} chat prompts, {args.tokens} tokens: {same}/{len(prompts)} identical; "
+    print(f"greedy agreement over {len(prompts)} chat prompts, {tokens} tokens: {same}/{len(prompts)} identical; "
           f"mean {frac:.0%} of each output before the first differing token")
-    alone = greedy(int8, prompts[:8], args.tokens)
+    alone = greedy(int8, prompts[:8], tokens)
     batched = out8[:8]
     print(f"int8 batch coupling: {sum(a == b for a, b in zip(alone, batched))}/8 outputs identical run in a "
           "batch of 32 vs 8 (fp32 is batch-invariant in these tests)")
 
-    b1 = prompts[:6]
+
+def speed(fp32: LLM, int8: LLM, b1, args) -> None:
+    """Batch-1 tok/s of both engines, alternated rounds, and the median ratio."""
     batch1_rate(fp32, b1[:1], 8), batch1_rate(int8, b1[:1], 8)  # warm-up
     ratios = []
     for r in range(args.rounds):
@@ -160,10 +179,6 @@ def main() -> None:
         print(f"round {r + 1} batch 1 (6 prompts x {args.tokens} tokens): fp32 {rates['fp32']:.1f} tok/s, "
               f"int8 {rates['int8']:.1f} tok/s, ratio {ratios[-1]:.2f}x", flush=True)
     print(f"batch 1 int8 / fp32: median {statistics.median(ratios):.2f}x over {args.rounds} rounds")
-    print("kernels:")
-    for line in kernel_table():
-        print("  " + line)
-    print(describe_machine().replace("machine:", "machine at the end:"))
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ def main() -> None:
             row += f"{floor * 1e3:>9.2f}" + "".join(f"{med[m] / floor:>14.2f}x" for m in modes)
         print(row)
     if floors:
-        print(f"(floor: every linear once on the batch's rows, {weight_bytes / 1e6:.0f} MB of weights, oneDNN-prepacked)")
+        print(f"(floor: every linear once on the batch's rows, {weight_bytes / 1e6:.0f} MB of weights, with the engine's own kernels)")
     for batch in batches:  # the spread behind each median (the cores are shared)
         print(f"batch {batch} rounds (ms/step): " + "; ".join(
             f"{m} " + " ".join(f"{v * 1e3:.1f}" for v in steps[(m, batch)]) for m in modes))
