@@ -95,6 +95,13 @@ inline float exp_shifted_sum(float* x, float m, int64_t n) {
   return sum;
 }
 
+// Softmax over a row of n scores, unnormalized: x[j] = exp(x[j] - max), returning 1 / their sum.
+inline float softmax_numerators(float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  return 1.f / exp_shifted_sum(x, m, n);
+}
+
 template <>
 inline const float* as_float<float>(const float* row, float*, int64_t) {
   return row;
@@ -249,10 +256,7 @@ void attend_heads(const T* q, const T* const* krows, const T* const* vrows, int6
   }
   for (int64_t j = 0; j < std::min(n, ahead); ++j) prefetch(vrows[j] + span_from, span_bytes);
   for (int64_t i = 0; i < nh; ++i) {
-    float* sc = scores.data() + i * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
-    inv_sum[i] = 1.f / exp_shifted_sum(sc, m, n);
+    inv_sum[i] = softmax_numerators(scores.data() + i * n, n);
   }
   constexpr int HB = 24 / DV;  // accumulator registers: HB heads x DV vectors
   for (int64_t g = g0; g < g1; ++g) {
@@ -367,10 +371,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
-        float* sc = scores.data() + h * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
-        inv_sum[h] = 1.f / exp_shifted_sum(sc, m, n);
+        inv_sum[h] = softmax_numerators(scores.data() + h * n, n);
       }
       // Pass 2: every V row as floats once (float32 read in place, bfloat16 widened into a
       // buffer), then each head's weighted sum over the rows, in registers where the head fits.
